@@ -1,0 +1,355 @@
+"""The run's configuration: plain frozen dataclasses, bound by gin, validated once.
+
+One `Config` object describes a whole run (model, data, optimizer, stages, mesh, checkpoints,
+evaluation). Every dataclass below is gin-configurable under its class name, so a gin file says e.g.
+
+    ModelConfig.d_model = 256
+    StagesConfig.stages = ((512, 100), (4096, 50))
+
+`from_gin(gin_files, bindings)` parses the files and bindings, builds the `Config`, and validates it:
+every bad field raises `ConfigError` naming the field and what is allowed. After `from_gin` returns
+the config is plain data; nothing else reads gin.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Optional, Sequence
+
+import gin
+
+
+class ConfigError(ValueError):
+  """A config field has a value that is not allowed. The message names the field."""
+
+
+def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
+  if not cond:
+    raise ConfigError(f"{field} = {value!r} is not allowed: {allowed}")
+
+
+DTYPES = ("float32", "bfloat16")
+BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
+KDA_BACKENDS = ("auto", "xla", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Shapes and options of the K3 decoder.
+
+  Layer i (1-based) is MLA when `i % mla_every == 0` or `i == num_layers`; otherwise KDA. Layers
+  1..first_k_dense use the dense SiTU-GLU FFN, the rest the LatentMoE (when moe_num_experts > 0).
+  """
+  vocab_size: int = 256
+  d_model: int = 64
+  num_layers: int = 4
+  mla_every: int = 4
+  norm_eps: float = 1e-5
+  dtype: str = "float32"          # activations / matmul inputs
+  param_dtype: str = "float32"
+  tie_embeddings: bool = False
+  init_std: float = 0.02
+
+  # KDA (Kimi Delta Attention)
+  kda_num_heads: int = 2
+  kda_head_dim: int = 32          # K
+  kda_value_dim: int = 32         # V per head
+  kda_conv_size: int = 4
+  kda_gate_rank: int = 0          # 0: full-rank decay-gate projection; >0: low-rank through this width
+  kda_gate_lower_bound: Optional[float] = -5.0   # None: the unbounded softplus gate (ablation)
+  kda_chunk_size: int = 64
+  kda_backend: str = "auto"       # auto | xla | pallas
+
+  # Gated MLA
+  mla_num_heads: int = 2
+  mla_q_lora_rank: int = 0        # 0: no query compression
+  mla_kv_lora_rank: int = 32
+  mla_qk_nope_dim: int = 32
+  mla_qk_rope_dim: int = 16       # never rotated (NoPE); kept for shape fidelity
+  mla_v_dim: int = 32
+  mla_output_gate: bool = True
+  attention_impl: str = "auto"    # auto | xla | cudnn
+
+  # FFN and MoE (SiTU-GLU everywhere)
+  situ_beta1: float = 4.0
+  situ_beta2: float = 25.0
+  dense_ffn_dim: int = 128
+  first_k_dense: int = 1
+  moe_num_experts: int = 8        # 0: dense FFN in every layer
+  moe_top_k: int = 2
+  moe_latent_dim: int = 32        # 0: no latent projection (experts at d_model)
+  moe_latent_norm: bool = True    # RMSNorm before the up projection (Stable LatentMoE)
+  moe_expert_dim: int = 64
+  moe_num_shared: int = 1
+  moe_shared_dim: int = 64
+  moe_routed_scale: float = 1.0
+  moe_balance: str = "quantile"   # quantile | loss_free | aux_loss | none
+  moe_qb_rate: float = 1.0        # rho in b <- b - rho * t
+  moe_qb_interval: int = 1        # update the QB bias every N steps
+  moe_loss_free_rate: float = 1e-3
+  moe_aux_loss_coef: float = 1e-2
+  moe_capacity_factor: float = 0.0  # 0: dropless; >0: per-expert capacity = factor * balanced load
+
+  # Block Attention Residuals
+  attnres: bool = True
+  attnres_block_size: int = 2     # layers per block
+
+  def layer_kind(self, i: int) -> str:
+    """'mla' or 'kda' for 0-based layer index i."""
+    n = i + 1
+    return "mla" if (n % self.mla_every == 0 or n == self.num_layers) else "kda"
+
+  def layer_uses_moe(self, i: int) -> bool:
+    return self.moe_num_experts > 0 and i >= self.first_k_dense
+
+  def validate(self) -> None:
+    p = "ModelConfig."
+    for name in ("vocab_size", "d_model", "num_layers", "mla_every", "kda_num_heads", "kda_head_dim",
+                 "kda_value_dim", "kda_conv_size", "kda_chunk_size", "mla_num_heads",
+                 "mla_kv_lora_rank", "mla_qk_nope_dim", "mla_v_dim", "dense_ffn_dim",
+                 "attnres_block_size", "moe_qb_interval"):
+      v = getattr(self, name)
+      _check(isinstance(v, int) and v > 0, p + name, "a positive integer", v)
+    for name in ("kda_gate_rank", "mla_q_lora_rank", "mla_qk_rope_dim", "first_k_dense",
+                 "moe_num_experts", "moe_latent_dim", "moe_num_shared"):
+      v = getattr(self, name)
+      _check(isinstance(v, int) and v >= 0, p + name, "an integer >= 0", v)
+    _check(self.dtype in DTYPES, p + "dtype", f"one of {DTYPES}", self.dtype)
+    _check(self.param_dtype in DTYPES, p + "param_dtype", f"one of {DTYPES}", self.param_dtype)
+    _check(self.kda_backend in KDA_BACKENDS, p + "kda_backend", f"one of {KDA_BACKENDS}",
+           self.kda_backend)
+    _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
+           f"one of {ATTENTION_IMPLS}", self.attention_impl)
+    _check(self.kda_chunk_size % 16 == 0, p + "kda_chunk_size", "a multiple of 16 (16, 32, 64, ...)",
+           self.kda_chunk_size)
+    lb = self.kda_gate_lower_bound
+    _check(lb is None or (isinstance(lb, (int, float)) and -5.0 <= lb < 0.0),
+           p + "kda_gate_lower_bound",
+           "None (unbounded softplus gate) or a float in [-5, 0); below -5 a 16-token tile's decay "
+           "span leaves fp32's exp range", lb)
+    _check(self.norm_eps > 0, p + "norm_eps", "a positive float", self.norm_eps)
+    _check(self.situ_beta1 > 0 and self.situ_beta2 > 0, p + "situ_beta1/situ_beta2",
+           "positive floats", (self.situ_beta1, self.situ_beta2))
+    _check(self.moe_balance in BALANCE_METHODS, p + "moe_balance", f"one of {BALANCE_METHODS}",
+           self.moe_balance)
+    if self.moe_num_experts > 0:
+      _check(isinstance(self.moe_top_k, int) and 1 <= self.moe_top_k < self.moe_num_experts,
+             p + "moe_top_k", f"an integer in [1, moe_num_experts={self.moe_num_experts})",
+             self.moe_top_k)
+      _check(self.moe_expert_dim > 0, p + "moe_expert_dim", "a positive integer",
+             self.moe_expert_dim)
+      _check(self.moe_num_shared == 0 or self.moe_shared_dim > 0, p + "moe_shared_dim",
+             "a positive integer when moe_num_shared > 0", self.moe_shared_dim)
+      _check(0.0 < self.moe_qb_rate <= 1.0, p + "moe_qb_rate", "a float in (0, 1]",
+             self.moe_qb_rate)
+      _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
+             p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
+      _check(self.first_k_dense < self.num_layers, p + "first_k_dense",
+             f"smaller than num_layers={self.num_layers} when experts are used", self.first_k_dense)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where tokens come from.
+
+  source: 'builtin' (the Python standard library's own .py/.txt files, no download), 'text' (a file
+  or folder of text files), 'jsonl' (a field of each JSON line), 'tokens' (a .npy array of token ids),
+  'mqar' or 'passkey' (synthetic tasks).
+  """
+  source: str = "builtin"
+  path: str = ""
+  jsonl_field: str = "text"
+  tokenizer: str = "byte"         # byte | sentencepiece | tiktoken
+  tokenizer_path: str = ""
+  validation_fraction: float = 0.05
+  max_bytes: int = 4_000_000      # cap on the builtin corpus size (deterministic prefix)
+  seed: int = 0
+
+  def validate(self) -> None:
+    p = "DataConfig."
+    sources = ("builtin", "text", "jsonl", "tokens", "mqar", "passkey")
+    _check(self.source in sources, p + "source", f"one of {sources}", self.source)
+    tokenizers = ("byte", "sentencepiece", "tiktoken")
+    _check(self.tokenizer in tokenizers, p + "tokenizer", f"one of {tokenizers}", self.tokenizer)
+    if self.source in ("text", "jsonl", "tokens"):
+      _check(bool(self.path), p + "path", f"a file or folder path when source={self.source!r}",
+             self.path)
+      _check(os.path.exists(self.path), p + "path", "an existing file or folder", self.path)
+    if self.tokenizer != "byte":
+      _check(bool(self.tokenizer_path) and os.path.isfile(self.tokenizer_path),
+             p + "tokenizer_path", f"an existing model file for tokenizer={self.tokenizer!r}",
+             self.tokenizer_path)
+    _check(0.0 < self.validation_fraction < 0.5, p + "validation_fraction", "a float in (0, 0.5)",
+           self.validation_fraction)
+    _check(self.max_bytes > 0, p + "max_bytes", "a positive integer", self.max_bytes)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+  name: str = "adamw"             # adamw | muon
+  learning_rate: float = 3e-3
+  warmup_fraction: float = 0.01
+  end_lr_fraction: float = 0.1    # cosine decays to this fraction of the peak
+  weight_decay: float = 0.1
+  b1: float = 0.9
+  b2: float = 0.95
+  eps: float = 1e-8
+  grad_clip_norm: float = 1.0     # 0 disables clipping
+  qk_clip_tau: float = 0.0        # 0 disables QK-Clip; K2 uses 100
+
+  def validate(self) -> None:
+    p = "OptimizerConfig."
+    _check(self.name in ("adamw", "muon"), p + "name", "one of ('adamw', 'muon')", self.name)
+    _check(self.learning_rate > 0, p + "learning_rate", "a positive float", self.learning_rate)
+    _check(0.0 <= self.warmup_fraction < 1.0, p + "warmup_fraction", "a float in [0, 1)",
+           self.warmup_fraction)
+    _check(0.0 <= self.end_lr_fraction <= 1.0, p + "end_lr_fraction", "a float in [0, 1]",
+           self.end_lr_fraction)
+    _check(self.weight_decay >= 0, p + "weight_decay", "a float >= 0", self.weight_decay)
+    _check(self.grad_clip_norm >= 0, p + "grad_clip_norm", "a float >= 0", self.grad_clip_norm)
+    _check(self.qk_clip_tau >= 0, p + "qk_clip_tau", "a float >= 0 (0 disables)", self.qk_clip_tau)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class StagesConfig:
+  """Staged context extension: `stages` is a sequence of (seq_len, steps).
+
+  Tokens per step stay constant: batch size of a stage = tokens_per_step // seq_len.
+  """
+  stages: tuple = ((64, 40), (512, 20), (2048, 10), (8192, 5))
+  tokens_per_step: int = 8192
+
+  def validate(self) -> None:
+    p = "StagesConfig."
+    _check(len(self.stages) > 0, p + "stages", "a non-empty sequence of (seq_len, steps)", self.stages)
+    for s in self.stages:
+      _check(len(s) == 2 and all(isinstance(x, int) and x > 0 for x in s), p + "stages",
+             "pairs (seq_len, steps) of positive integers", s)
+      _check(self.tokens_per_step % s[0] == 0, p + "tokens_per_step",
+             f"a multiple of every stage's seq_len (stage seq_len {s[0]})", self.tokens_per_step)
+    lens = [s[0] for s in self.stages]
+    _check(lens == sorted(lens), p + "stages", "non-decreasing sequence lengths", self.stages)
+
+  @property
+  def total_steps(self) -> int:
+    return sum(s[1] for s in self.stages)
+
+  def stage_at(self, step: int) -> int:
+    """Index of the stage that global step `step` (0-based) belongs to."""
+    acc = 0
+    for i, (_, n) in enumerate(self.stages):
+      acc += n
+      if step < acc:
+        return i
+    return len(self.stages) - 1
+
+  def batch_size(self, stage: int) -> int:
+    return self.tokens_per_step // self.stages[stage][0]
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh: `axes` like 'data:2,expert:4'; empty means all devices on `data`."""
+  axes: str = ""
+
+  def validate(self) -> None:
+    if not self.axes:
+      return
+    for part in self.axes.split(","):
+      name, _, size = part.partition(":")
+      _check(name in ("data", "expert") and size.isdigit() and int(size) > 0, "MeshConfig.axes",
+             "comma-separated 'name:size' with name in ('data', 'expert'), e.g. 'data:2,expert:4'",
+             self.axes)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+  every_steps: int = 50
+  keep_last: int = 2
+  async_save: bool = True
+
+  def validate(self) -> None:
+    _check(self.every_steps > 0, "CheckpointConfig.every_steps", "a positive integer",
+           self.every_steps)
+    _check(self.keep_last > 0, "CheckpointConfig.keep_last", "a positive integer", self.keep_last)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  every_steps: int = 0            # 0: only at stage ends and at the end
+  num_batches: int = 4
+  passkey_multipliers: tuple = (1, 2, 4, 8)
+  passkey_samples: int = 8
+  log_every_steps: int = 5
+
+  def validate(self) -> None:
+    _check(self.every_steps >= 0, "EvalConfig.every_steps", "an integer >= 0", self.every_steps)
+    _check(self.num_batches > 0, "EvalConfig.num_batches", "a positive integer", self.num_batches)
+    _check(self.log_every_steps > 0, "EvalConfig.log_every_steps", "a positive integer",
+           self.log_every_steps)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run needs. Sub-configs are built from gin when not passed."""
+  model: ModelConfig = None
+  data: DataConfig = None
+  optimizer: OptimizerConfig = None
+  stages: StagesConfig = None
+  mesh: MeshConfig = None
+  checkpoint: CheckpointConfig = None
+  eval: EvalConfig = None
+  seed: int = 0
+
+  def __post_init__(self):
+    defaults = dict(model=ModelConfig, data=DataConfig, optimizer=OptimizerConfig,
+                    stages=StagesConfig, mesh=MeshConfig, checkpoint=CheckpointConfig, eval=EvalConfig)
+    for name, cls in defaults.items():
+      if getattr(self, name) is None:
+        object.__setattr__(self, name, cls())
+
+  def validate(self) -> "Config":
+    for f in ("model", "data", "optimizer", "stages", "mesh", "checkpoint", "eval"):
+      getattr(self, f).validate()
+    return self
+
+
+def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Config:
+  """Parses gin files and bindings into a validated `Config`.
+
+  Unknown configurables or parameters, and invalid values, raise `ConfigError` naming the setting.
+  """
+  for f in gin_files:
+    if not os.path.isfile(f):
+      raise ConfigError(f"gin file {f!r} does not exist")
+  gin.clear_config()
+  try:
+    gin.parse_config_files_and_bindings(list(gin_files), list(bindings), finalize_config=False)
+    cfg = Config()
+  except (ValueError, KeyError, TypeError) as e:
+    known = "Config, ModelConfig, DataConfig, OptimizerConfig, StagesConfig, MeshConfig, " \
+            "CheckpointConfig, EvalConfig"
+    raise ConfigError(f"bad gin setting: {e}. Configurables are: {known}; see k3jax/config.py "
+                      "for their fields.") from e
+  finally:
+    gin.clear_config()
+  return cfg.validate()
+
+
+def tuple_stages(stages: Sequence[Sequence[int]]) -> tuple:
+  return tuple((int(a), int(b)) for a, b in stages)
+
+
+def num_blocks(cfg: ModelConfig) -> int:
+  return math.ceil(cfg.num_layers / cfg.attnres_block_size)

@@ -1,0 +1,83 @@
+"""Small pieces every layer uses: dtypes, parameters with logical axis names, RMSNorm.
+
+Logical axis names (mapped to mesh axes by the one rule table in `k3jax/sharding.py`):
+  parameters:  'vocab', 'embed', 'heads', 'head_dim', 'mlp', 'expert', 'latent', 'kv_lora',
+               'q_lora', 'conv', 'norm'
+  activations: 'activation_batch', 'activation_length', 'activation_embed', 'activation_heads',
+               'activation_exp'
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+DTYPE_MAP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+def to_dtype(name: str):
+  return DTYPE_MAP[name]
+
+
+def normal_init(std: float) -> Callable:
+  return nn.initializers.normal(stddev=std)
+
+
+def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequence[Optional[str]],
+                  init: Callable, dtype=jnp.float32) -> jax.Array:
+  """Declares a parameter annotated with logical axis names (one per dim); returns the raw array."""
+  if len(axes) != len(shape):
+    raise ValueError(f"parameter {name!r}: {len(axes)} axis names for shape {tuple(shape)}")
+  return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
+
+
+class Dense(nn.Module):
+  """y = x @ W (+ b) over the last axis, with logical axis names on W.
+
+  Attributes:
+    features: output width.
+    axes: logical names of W, (in_axis, out_axis).
+  Input x [..., d_in] in any float dtype; output [..., features] in `dtype`.
+  """
+  features: int
+  axes: tuple = ("embed", "mlp")
+  use_bias: bool = False
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+  init_std: float = 0.02
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    w = logical_param(self, "kernel", (x.shape[-1], self.features), self.axes,
+                      normal_init(self.init_std), self.param_dtype)
+    y = jnp.dot(x.astype(self.dtype), w.astype(self.dtype))
+    if self.use_bias:
+      b = logical_param(self, "bias", (self.features,), (self.axes[1],), nn.initializers.zeros,
+                        self.param_dtype)
+      y = y + b.astype(self.dtype)
+    return y
+
+
+def rms_norm(x: jax.Array, eps: float, weight: Optional[jax.Array] = None) -> jax.Array:
+  """RMS-normalises the last axis in fp32; returns fp32. weight (if given) scales the result."""
+  x32 = x.astype(jnp.float32)
+  y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+  if weight is not None:
+    y = y * weight.astype(jnp.float32)
+  return y
+
+
+class RMSNorm(nn.Module):
+  """RMSNorm over the last axis with a learned scale (init 1). Computes in fp32, returns `dtype`."""
+  eps: float = 1e-5
+  dtype: jnp.dtype = jnp.float32
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    w = logical_param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones,
+                      self.param_dtype)
+    return rms_norm(x, self.eps, w).astype(self.dtype)
