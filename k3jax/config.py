@@ -14,7 +14,6 @@ the config is plain data; nothing else reads gin.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 from typing import Any, Optional, Sequence
 
@@ -345,11 +344,3 @@ def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Con
   finally:
     gin.clear_config()
   return cfg.validate()
-
-
-def tuple_stages(stages: Sequence[Sequence[int]]) -> tuple:
-  return tuple((int(a), int(b)) for a, b in stages)
-
-
-def num_blocks(cfg: ModelConfig) -> int:
-  return math.ceil(cfg.num_layers / cfg.attnres_block_size)

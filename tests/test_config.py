@@ -1,0 +1,64 @@
+"""Config parsing and validation: every gin file loads; bad settings name the field."""
+
+import glob
+import os
+
+import pytest
+
+from k3jax import config as config_lib
+
+GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
+
+
+@pytest.mark.parametrize("path", sorted(glob.glob(os.path.join(GIN_DIR, "*.gin"))))
+def test_every_gin_file_parses_and_validates(path):
+  cfg = config_lib.from_gin([path])
+  assert cfg.model.num_layers > 0
+  assert cfg.model.layer_kind(cfg.model.num_layers - 1) == "mla"
+
+
+def test_bindings_override_files():
+  cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")], ["ModelConfig.d_model = 96"])
+  assert cfg.model.d_model == 96
+
+
+@pytest.mark.parametrize("binding, field", [
+    ("ModelConfig.dtype = 'float16'", "ModelConfig.dtype"),
+    ("ModelConfig.kda_gate_lower_bound = -7.0", "ModelConfig.kda_gate_lower_bound"),
+    ("ModelConfig.moe_top_k = 8", "ModelConfig.moe_top_k"),
+    ("ModelConfig.moe_balance = 'magic'", "ModelConfig.moe_balance"),
+    ("ModelConfig.kda_chunk_size = 24", "ModelConfig.kda_chunk_size"),
+    ("StagesConfig.stages = ((100, 3),)", "StagesConfig.tokens_per_step"),
+    ("StagesConfig.stages = ((512, 3), (64, 3))", "StagesConfig.stages"),
+    ("OptimizerConfig.name = 'sgd'", "OptimizerConfig.name"),
+    ("MeshConfig.axes = 'model:2'", "MeshConfig.axes"),
+    ("DataConfig.source = 'text'", "DataConfig.path"),
+])
+def test_bad_values_name_the_field(binding, field):
+  with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
+    config_lib.from_gin([], [binding])
+
+
+def test_unknown_parameter_and_missing_file_are_errors():
+  with pytest.raises(config_lib.ConfigError, match="d_modle"):
+    config_lib.from_gin([], ["ModelConfig.d_modle = 3"])
+  with pytest.raises(config_lib.ConfigError, match="does not exist"):
+    config_lib.from_gin(["/nonexistent.gin"])
+
+
+def test_layer_pattern_is_three_to_one_with_last_mla():
+  cfg = config_lib.from_gin([os.path.join(GIN_DIR, "k3.gin")]).model
+  kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
+  assert kinds.count("kda") == 69 and kinds.count("mla") == 24
+  assert kinds[91] == kinds[92] == "mla"
+  kl = config_lib.from_gin([os.path.join(GIN_DIR, "kimi_linear_48b.gin")]).model
+  mla = [i + 1 for i in range(kl.num_layers) if kl.layer_kind(i) == "mla"]
+  assert mla == [4, 8, 12, 16, 20, 24, 27]
+
+
+def test_stage_bookkeeping():
+  s = config_lib.StagesConfig(stages=((64, 3), (512, 2)), tokens_per_step=1024)
+  s.validate()
+  assert s.total_steps == 5
+  assert [s.stage_at(i) for i in range(5)] == [0, 0, 0, 1, 1]
+  assert s.batch_size(0) == 16 and s.batch_size(1) == 2
