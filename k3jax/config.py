@@ -43,7 +43,7 @@ class ModelConfig:
   Layer i (1-based) is MLA when `i % mla_every == 0` or `i == num_layers`; otherwise KDA. Layers
   1..first_k_dense use the dense SiTU-GLU FFN, the rest the LatentMoE (when moe_num_experts > 0).
   """
-  vocab_size: int = 256
+  vocab_size: int = 257           # byte tokenizer: 256 bytes + BOS
   d_model: int = 64
   num_layers: int = 4
   mla_every: int = 4
@@ -166,7 +166,9 @@ class DataConfig:
   tokenizer: str = "byte"         # byte | sentencepiece | tiktoken
   tokenizer_path: str = ""
   validation_fraction: float = 0.05
-  max_bytes: int = 4_000_000      # cap on the builtin corpus size (deterministic prefix)
+  max_bytes: int = 4_000_000      # cap on the builtin corpus size (deterministic subset)
+  mqar_num_kv_pairs: int = 8      # key-value pairs per MQAR sequence (source='mqar')
+  reshuffle_each_epoch: bool = True
   seed: int = 0
 
   def validate(self) -> None:
@@ -186,6 +188,8 @@ class DataConfig:
     _check(0.0 < self.validation_fraction < 0.5, p + "validation_fraction", "a float in (0, 0.5)",
            self.validation_fraction)
     _check(self.max_bytes > 0, p + "max_bytes", "a positive integer", self.max_bytes)
+    _check(self.mqar_num_kv_pairs > 0, p + "mqar_num_kv_pairs", "a positive integer",
+           self.mqar_num_kv_pairs)
 
 
 @gin.configurable
