@@ -1,0 +1,524 @@
+"""Kimi Delta Attention (KDA): gate, step-by-step reference and chunked (WY) algorithm in plain JAX.
+
+Per head, for each token t (ARCHITECTURE.md §1), with state S [K, V] in fp32:
+
+  1. S ← diag(exp(g_t)) · S
+  2. S ← S + β_t · k_t (v_t − Sᵀ k_t)ᵀ
+  3. o_t = Sᵀ (scale · q_t)
+
+Layouts follow fla: q, k, g [B, T, H, K]; v [B, T, H, V]; beta [B, T, H]; state [B, H, K, V] fp32.
+
+Packing. `cu_seqlens` ([N+1] offsets, B == 1) and `segment_ids` ([B, T], 0 = padding) both reset the
+state at document boundaries; both go through one mechanism: every token gets a *run label* (the
+document it belongs to, forward-filled over padding), and the state carried along a row is tagged with
+the label of its document. A token whose label differs from the carried one starts from its document's
+initial state instead (zeros, or `initial_state[n]` for sequence n with `cu_seqlens`). Padding tokens
+act as the identity (no decay, no write) and output zeros. Segment ids are read as runs: the state
+resets whenever the id differs from that of the previous non-padding token.
+
+Gates. `g` is the log decay (≤ 0). The chunked path never forms exp(G_i)·exp(−G_j) over a chunk: it uses
+the masked pairwise exp(G_i − G_j) on same-document causal pairs only, with G_i − G_j summed directly
+from the g between the two tokens, so every exponent is ≤ 0, nothing cancels, and any gate (the bounded
+one of `kda_gate`, the unbounded softplus form, raw values far below −5) is exact. Memory is O(T·C·K) per
+head for those decays (and C³·K flops per chunk for the sums); this is the reference, not the fast path
+(the Pallas kernel in `pallas_kernels.kda` is).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+_HIGHEST = jax.lax.Precision.HIGHEST
+_BACKENDS = ("auto", "xla", "pallas")
+
+
+# --------------------------------------------------------------------------------------------------
+# Gate and normalisation.
+# --------------------------------------------------------------------------------------------------
+
+
+def kda_gate(x: jax.Array, A_log: Optional[jax.Array], dt_bias: Optional[jax.Array] = None,
+             lower_bound: Optional[float] = -5.0) -> jax.Array:
+  """Per-channel log decay of KDA.
+
+  Bounded (default): g = lower_bound · sigmoid(exp(A_log) · (x + dt_bias)), so g ∈ (lower_bound, 0).
+  Unbounded (`lower_bound=None`, the original form): g = −exp(A_log) · softplus(x + dt_bias).
+
+  Args:
+    x: [..., H, K] gate pre-activation, any float dtype.
+    A_log: [H] per-head log rate, or None (then exp(A_log) = 1).
+    dt_bias: [H*K] per head and channel, or None (zero).
+    lower_bound: in [-5, 0), or None for the unbounded form.
+
+  Returns:
+    g: [..., H, K] float32.
+  """
+  if lower_bound is not None:
+    if isinstance(lower_bound, bool) or not isinstance(lower_bound, (int, float)):
+      raise ValueError(f"lower_bound must be a float in [-5, 0) or None, got {lower_bound!r}")
+    if not -5.0 <= float(lower_bound) < 0.0:
+      raise ValueError(f"lower_bound must lie in [-5, 0) (or be None for the unbounded gate), "
+                       f"got {lower_bound}")
+  x = jnp.asarray(x)
+  if x.ndim < 2:
+    raise ValueError(f"x must have shape [..., H, K], got shape {x.shape}")
+  _check_float("x", x)
+  num_heads, head_dim = x.shape[-2:]
+  x = x.astype(jnp.float32)
+  if dt_bias is not None:
+    dt_bias = jnp.asarray(dt_bias)
+    _check_float("dt_bias", dt_bias)
+    if dt_bias.shape != (num_heads * head_dim,):
+      raise ValueError(f"dt_bias must have shape [H*K] = ({num_heads * head_dim},), "
+                       f"got {dt_bias.shape}")
+    x = x + dt_bias.astype(jnp.float32).reshape(num_heads, head_dim)
+  if A_log is None:
+    rate = jnp.ones((num_heads, 1), jnp.float32)
+  else:
+    A_log = jnp.asarray(A_log)
+    _check_float("A_log", A_log)
+    if A_log.shape != (num_heads,):
+      raise ValueError(f"A_log must have shape [H] = ({num_heads},), got {A_log.shape}")
+    rate = jnp.exp(A_log.astype(jnp.float32))[:, None]
+  if lower_bound is None:
+    return -rate * jax.nn.softplus(x)
+  return float(lower_bound) * jax.nn.sigmoid(rate * x)
+
+
+def l2_normalize(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """x / sqrt(Σ x² + eps) over the last axis, computed and returned in float32."""
+  x = jnp.asarray(x).astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+# --------------------------------------------------------------------------------------------------
+# Validation and packing helpers.
+# --------------------------------------------------------------------------------------------------
+
+
+def _check_float(name: str, x: jax.Array) -> None:
+  if not jnp.issubdtype(x.dtype, jnp.floating):
+    raise ValueError(f"{name} must have a floating dtype, got {x.dtype}")
+
+
+def _is_concrete(x) -> bool:
+  return not isinstance(x, jax.core.Tracer)
+
+
+def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids):
+  """Checks shapes/dtypes; returns (B, T, H, K, V, N or None)."""
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    _check_float(name, x)
+  if q.ndim != 4:
+    raise ValueError(f"q must have shape [B,T,H,K], got shape {q.shape}")
+  B, T, H, K = q.shape
+  if k.shape != q.shape:
+    raise ValueError(f"k must have shape [B,T,H,K] = {q.shape}, got {k.shape}")
+  if g.shape != q.shape:
+    raise ValueError(f"g must have shape [B,T,H,K] = {q.shape}, got {g.shape}")
+  if v.ndim != 4 or v.shape[:3] != (B, T, H):
+    raise ValueError(f"v must have shape [B,T,H,V] = ({B}, {T}, {H}, V), got {v.shape}")
+  V = v.shape[3]
+  if beta.shape != (B, T, H):
+    raise ValueError(f"beta must have shape [B,T,H] = {(B, T, H)} (rank 3), got {beta.shape}")
+  if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                            or not scale > 0):
+    raise ValueError(f"scale must be a positive float or None, got {scale!r}")
+  if cu_seqlens is not None and segment_ids is not None:
+    raise ValueError("pass at most one of cu_seqlens and segment_ids")
+  num_seqs = None
+  if cu_seqlens is not None:
+    cu_seqlens = jnp.asarray(cu_seqlens) if _is_concrete(cu_seqlens) else cu_seqlens
+    if cu_seqlens.ndim != 1 or cu_seqlens.shape[0] < 2:
+      raise ValueError(f"cu_seqlens must have shape [N+1] with N >= 1, got {cu_seqlens.shape}")
+    if not jnp.issubdtype(cu_seqlens.dtype, jnp.integer):
+      raise ValueError(f"cu_seqlens must have an integer dtype, got {cu_seqlens.dtype}")
+    if B != 1:
+      raise ValueError(f"cu_seqlens requires batch size B == 1 (packed sequences), got B = {B}")
+    num_seqs = cu_seqlens.shape[0] - 1
+    if _is_concrete(cu_seqlens):
+      cu = np.asarray(cu_seqlens)
+      if cu[0] < 0 or np.any(np.diff(cu) < 0) or cu[-1] > T:
+        raise ValueError(f"cu_seqlens must be non-decreasing offsets in [0, T={T}], got {cu.tolist()}")
+  if segment_ids is not None:
+    if segment_ids.shape != (B, T):
+      raise ValueError(f"segment_ids must have shape [B,T] = {(B, T)}, got {segment_ids.shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"segment_ids must have an integer dtype, got {segment_ids.dtype}")
+  if initial_state is not None:
+    _check_float("initial_state", initial_state)
+    lead, what = (num_seqs, "N") if num_seqs is not None else (B, "B")
+    if initial_state.shape != (lead, H, K, V):
+      raise ValueError(f"initial_state must have shape [{what},H,K,V] = {(lead, H, K, V)}, "
+                       f"got {initial_state.shape}")
+  return B, T, H, K, V, num_seqs
+
+
+def _run_labels(B: int, T: int, cu_seqlens, segment_ids):
+  """Per-token document labels (forward-filled over padding), real-token mask and the initial label.
+
+  Returns:
+    labels: [B, T] int32. With cu_seqlens, label n+1 is sequence n (0 before the first sequence);
+      otherwise 1, 2, ... number the runs of equal segment id within each row, starting at 1.
+    real: [B, T] bool, False at padding.
+    init_label: int, the label the carried state has before the first token (the label that
+      `initial_state` belongs to in segment-id / unpacked mode; 0 with cu_seqlens, which matches no
+      sequence, so each sequence starts from its own initial state).
+  """
+  pos = jnp.arange(T, dtype=jnp.int32)
+  if cu_seqlens is not None:
+    cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+    num_seqs = cu.shape[0] - 1
+    seg = jnp.searchsorted(cu, pos, side="right").astype(jnp.int32)
+    seg = jnp.where(seg > num_seqs, 0, seg)[None, :]
+    real = seg > 0
+    last_real = jax.lax.cummax(jnp.where(real, pos[None, :], -1), axis=1)
+    labels = jnp.where(last_real >= 0,
+                       jnp.take_along_axis(seg, jnp.maximum(last_real, 0), axis=1), 0)
+    return labels, real, 0
+  if segment_ids is None:
+    return jnp.ones((B, T), jnp.int32), jnp.ones((B, T), bool), 1
+  seg = jnp.asarray(segment_ids).astype(jnp.int32)
+  real = seg > 0
+  # The id of the last real token strictly before t; before any real token, the row's first id, so
+  # that the first document continues the initial state.
+  last_real = jax.lax.cummax(jnp.where(real, pos[None, :], -1), axis=1)
+  prev_real = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), last_real[:, :-1]], axis=1)
+  first_id = jnp.take_along_axis(seg, jnp.argmax(real, axis=1)[:, None], axis=1)
+  prev_id = jnp.where(prev_real >= 0, jnp.take_along_axis(seg, jnp.maximum(prev_real, 0), axis=1),
+                      first_id)
+  starts = real & (seg != prev_id)
+  labels = 1 + jnp.cumsum(starts.astype(jnp.int32), axis=1)
+  return labels, real, 1
+
+
+# --------------------------------------------------------------------------------------------------
+# Recurrent reference.
+# --------------------------------------------------------------------------------------------------
+
+
+def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                  scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
+                  output_final_state: bool = False, cu_seqlens: Optional[jax.Array] = None,
+                  segment_ids: Optional[jax.Array] = None):
+  """Token-by-token KDA with `lax.scan`, all math in float32: the ground truth for `chunk_kda`.
+
+  Args:
+    q, k: [B, T, H, K] (used as given: normalise them beforehand if wanted).
+    v: [B, T, H, V].
+    g: [B, T, H, K] log decay.
+    beta: [B, T, H].
+    scale: query scale, default K^-1/2.
+    initial_state: [B, H, K, V] ([N, H, K, V] with cu_seqlens), any float dtype, used in float32.
+    output_final_state: whether to return the final state.
+    cu_seqlens: [N+1] int offsets of packed sequences (B must be 1); may be traced.
+    segment_ids: [B, T] int, 0 = padding.
+
+  Returns:
+    (o [B, T, H, V] in v.dtype, final state float32 [B, H, K, V] ([N, H, K, V] with cu_seqlens) or
+    None).
+  """
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  if initial_state is not None:
+    initial_state = jnp.asarray(initial_state)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
+  B, T, H, K, V, num_seqs = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                      segment_ids)
+  scale = K ** -0.5 if scale is None else float(scale)
+  return _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state,
+                             cu_seqlens, segment_ids)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 7))
+def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
+                        segment_ids):
+  """`recurrent_kda` after validation; scale is a Python float."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+  f32 = jnp.float32
+  labels, real, init_label = _run_labels(B, T, cu_seqlens, segment_ids)
+  packed = cu_seqlens is not None
+  h0 = None if initial_state is None else initial_state.astype(f32)
+
+  def step(carry, xs):
+    state, label, finals = carry
+    q_t, k_t, v_t, g_t, b_t, label_t, real_t = xs
+    if packed and h0 is not None:
+      fresh = h0[jnp.maximum(label_t - 1, 0)]  # B == 1
+      fresh = jnp.where((label_t > 0)[:, None, None, None], fresh, 0.0)
+    else:
+      fresh = jnp.zeros_like(state)
+    new_doc = (label_t != label)[:, None, None, None]
+    s = jnp.where(new_doc, fresh, state)
+    s = jnp.exp(g_t)[..., None] * s
+    pred = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=_HIGHEST)
+    s = s + b_t[..., None, None] * k_t[..., None] * (v_t - pred)[..., None, :]
+    o_t = jnp.einsum("bhk,bhkv->bhv", q_t * scale, s, precision=_HIGHEST)
+    keep = real_t[:, None, None, None]
+    s = jnp.where(keep, s, state)
+    o_t = jnp.where(real_t[:, None, None], o_t, 0.0)
+    label = jnp.where(real_t, label_t, label)
+    if packed:
+      hit = (jnp.arange(num_seqs) == label_t[0] - 1) & real_t[0]
+      finals = jnp.where(hit[:, None, None, None], s[0][None], finals)
+    return (s, label, finals), o_t
+
+  if packed:
+    state0 = jnp.zeros((B, H, K, V), f32)
+    finals0 = jnp.zeros((num_seqs, H, K, V), f32) if h0 is None else h0
+  else:
+    state0 = jnp.zeros((B, H, K, V), f32) if h0 is None else h0
+    finals0 = jnp.zeros((), f32)
+  label0 = jnp.full((B,), init_label, jnp.int32)
+  to_time_major = lambda x: jnp.moveaxis(jnp.asarray(x).astype(f32), 1, 0)
+  xs = (to_time_major(q), to_time_major(k), to_time_major(v), to_time_major(g),
+        to_time_major(beta), jnp.moveaxis(labels, 1, 0), jnp.moveaxis(real, 1, 0))
+  (state, _, finals), o = jax.lax.scan(step, (state0, label0, finals0), xs)
+  o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
+  if not output_final_state:
+    return o, None
+  return o, (finals if packed else state)
+
+
+# --------------------------------------------------------------------------------------------------
+# Chunked (WY) algorithm.
+# --------------------------------------------------------------------------------------------------
+
+
+def _load_pallas_chunk_kda():
+  try:
+    from pallas_kernels.kda import chunk_kda as pallas_chunk_kda  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ImportError("backend='pallas' needs `pallas_kernels.kda.chunk_kda`, which could not be "
+                      f"imported ({e}); use backend='xla' or 'auto'") from e
+  return pallas_chunk_kda
+
+
+def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+              scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
+              output_final_state: bool = False, use_qk_l2norm: bool = False,
+              cu_seqlens: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
+              chunk_size: int = 64, backend: str = "auto"):
+  """Chunked KDA (WY representation), differentiable by JAX autodiff on the XLA backend.
+
+  Args:
+    q, k: [B, T, H, K], any float dtype.
+    v: [B, T, H, V].
+    g: [B, T, H, K] log decay (≤ 0), any value: the XLA path is exact for unbounded gates too.
+    beta: [B, T, H].
+    scale: query scale, default K^-1/2.
+    initial_state: [B, H, K, V] ([N, H, K, V] with cu_seqlens), used in float32. With segment_ids it
+      applies to the first document of each row; with cu_seqlens, entry n to sequence n.
+    output_final_state: whether to return the final state.
+    use_qk_l2norm: L2-normalise q and k over K (fp32, eps 1e-6) first.
+    cu_seqlens: [N+1] int offsets of packed sequences, B must be 1; may be traced (N is static).
+      Tokens at or beyond cu_seqlens[-1] are padding.
+    segment_ids: [B, T] int, 0 = padding; the state resets when the id changes.
+    chunk_size: C, a positive multiple of 16. Any T works (padded internally).
+    backend: "xla" (this code), "pallas" (`pallas_kernels.kda.chunk_kda`) or "auto" (pallas on GPU
+      when that package imports, else xla).
+
+  Returns:
+    o: [B, T, H, V] in v.dtype (zeros at padding tokens).
+    final_state: float32 [B, H, K, V] — the state at the end of each row (its last document) — or,
+      with cu_seqlens, [N, H, K, V], the state at each sequence's last token (the initial state, or
+      zeros, for an empty sequence); None unless output_final_state.
+  """
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 \
+      or chunk_size % 16:
+    raise ValueError(f"chunk_size must be a positive multiple of 16, got {chunk_size!r}")
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  if initial_state is not None:
+    initial_state = jnp.asarray(initial_state)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
+  B, T, H, K, V, num_seqs = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens,
+                                      segment_ids)
+
+  if backend == "pallas" or (backend == "auto" and jax.default_backend() == "gpu"):
+    try:
+      pallas_chunk_kda = _load_pallas_chunk_kda()
+    except ImportError:
+      if backend == "pallas":
+        raise
+      pallas_chunk_kda = None
+    if pallas_chunk_kda is not None:
+      return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                              output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
+                              cu_seqlens=cu_seqlens, segment_ids=segment_ids,
+                              chunk_size=chunk_size)
+
+  scale = K ** -0.5 if scale is None else float(scale)
+  return _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                        cu_seqlens, segment_ids, chunk_size)
+
+
+@functools.partial(jax.jit, static_argnums=(5, 7, 8, 11))
+def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
+                   cu_seqlens, segment_ids, chunk_size):
+  """`chunk_kda` on the XLA backend, after validation; scale is a Python float."""
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
+  f32 = jnp.float32
+  out_dtype = v.dtype
+  C = chunk_size
+  num_chunks = max(1, math.ceil(T / C))
+  T_pad = num_chunks * C
+  packed = cu_seqlens is not None
+  h0 = None if initial_state is None else initial_state.astype(f32)
+
+  labels, real, init_label = _run_labels(B, T, cu_seqlens, segment_ids)
+  if use_qk_l2norm:
+    q, k = l2_normalize(q), l2_normalize(k)
+  q = q.astype(f32) * scale
+  k, v, g, beta = k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32)
+  # Padding tokens are the identity: no decay, no write, no read.
+  m = real[..., None, None]
+  q, k, g = (jnp.where(m, x, 0.0) for x in (q, k, g))
+  beta = jnp.where(real[..., None], beta, 0.0)
+
+  pad = T_pad - T
+  if pad:
+    labels = jnp.concatenate([labels, jnp.broadcast_to(labels[:, -1:], (B, pad))], axis=1)
+    zeros_like_pad = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    q, k, v, g, beta = (zeros_like_pad(x) for x in (q, k, v, g, beta))
+
+  # [B, T, H, X] -> [B, H, NC, C, X]
+  def to_chunks(x):
+    x = x.reshape((B, num_chunks, C) + x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+  qc, kc, vc, gc = to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(g)
+  bc = jnp.moveaxis(beta.reshape(B, num_chunks, C, H), 3, 1)          # [B, H, NC, C]
+  lab = labels.reshape(B, num_chunks, C)                                # [B, NC, C]
+  # Label of the state carried into each chunk: that of the previous chunk's last token.
+  lab_in = jnp.concatenate([jnp.full((B, 1), init_label, jnp.int32), lab[:, :-1, -1]], axis=1)
+
+  same_doc = lab[..., :, None] == lab[..., None, :]                     # [B, NC, C, C]
+  causal = jnp.tril(jnp.ones((C, C), bool))
+  pair_incl = (same_doc & causal)[:, None]                              # [B, 1, NC, C, C]
+  pair_strict = (same_doc & jnp.tril(jnp.ones((C, C), bool), -1))[:, None]
+  # Log decay accumulated since the start of the token's document inside the chunk (or the chunk's
+  # start, for the document carried in): a cumsum that restarts at documents, as a masked sum.
+  gs = jnp.einsum("bxnij,bhnjk->bhnik", pair_incl.astype(f32), gc,
+                  precision=_HIGHEST)                                   # [B, H, NC, C, K]
+  # Pairwise log decays G_i − G_j = Σ_{j<t≤i} g_t, summed directly rather than as a difference of
+  # cumsums: with unbounded gates the cumsums reach thousands and their difference would lose the
+  # small decays that matter to cancellation. All partial sums share one sign, so this is accurate
+  # relative to the result.
+  between = np.tril(np.ones((C, C), np.float32))[:, None, :] * np.triu(
+      np.ones((C, C), np.float32), 1)[None, :, :]                        # [i, j, t]: j < t ≤ i
+  diff = jnp.einsum("ijt,bhntk->bhnijk", jnp.asarray(between), gc,
+                    precision=_HIGHEST)                                 # [B, H, NC, C, C, K]
+  # exp(G_i − G_j) over same-document causal pairs; the exponent is masked *before* exp, so masked
+  # pairs never overflow and their gradient is exactly zero.
+  pmask = pair_incl[..., None]
+  decay = jnp.where(pmask, jnp.exp(jnp.where(pmask, diff, 0.0)), 0.0)
+  k_decayed = decay * kc[..., None, :, :]                               # [B, H, NC, C, C, K]
+  a_qk = jnp.sum(qc[..., :, None, :] * k_decayed, axis=-1)              # [B, H, NC, C, C]
+  a_kk = jnp.sum(kc[..., :, None, :] * k_decayed, axis=-1)
+  lower = jnp.where(pair_strict, bc[..., :, None] * a_kk, 0.0)
+  eye = jnp.eye(C, dtype=f32)
+  # (I + L)^{-1} diag(β) applied to exp(G)·k and to v: the WY factors w and u.
+  solve = lambda rhs: jax.lax.linalg.triangular_solve(eye + lower, rhs, left_side=True, lower=True,
+                                                      unit_diagonal=True)
+  w = solve(bc[..., None] * jnp.exp(gs) * kc)                           # [B, H, NC, C, K]
+  u = solve(bc[..., None] * vc)                                         # [B, H, NC, C, V]
+  qg = qc * jnp.exp(gs)
+
+  # Decay from each token to the chunk's end, for the chunk's last document only (the one whose
+  # state is carried on).
+  g_last = gs[..., -1, :]                                               # [B, H, NC, K]
+  k_to_end = decay[..., -1, :, :] * kc                                  # [B, H, NC, C, K]
+  continues = lab == lab_in[..., None]                                  # [B, NC, C]
+  last_continues = continues[..., -1]                                   # [B, NC]
+
+  gather_h0 = packed and h0 is not None
+
+  def fresh_state(label):
+    """Initial state of documents with `label` [B, ...] (only with cu_seqlens and initial_state)."""
+    st = h0[jnp.maximum(label - 1, 0)]
+    return jnp.where((label > 0)[..., None, None, None], st, 0.0)
+
+  def chunk_step(state, xs):
+    a_qk_c, w_c, u_c, qg_c, kend_c, glast_c, cont_c, lastcont_c, lab_c = xs
+    cont4 = cont_c[:, None, :, None]
+    w_s = jnp.einsum("bhck,bhkv->bhcv", w_c, state, precision=_HIGHEST)
+    q_s = jnp.einsum("bhck,bhkv->bhcv", qg_c, state, precision=_HIGHEST)
+    if gather_h0:
+      fresh = jnp.moveaxis(fresh_state(lab_c), 1, 2)                    # [B, H, C, K, V]
+      w_f = jnp.einsum("bhck,bhckv->bhcv", w_c, fresh, precision=_HIGHEST)
+      q_f = jnp.einsum("bhck,bhckv->bhcv", qg_c, fresh, precision=_HIGHEST)
+      last_fresh = fresh_state(lab_c[:, -1])
+    else:
+      w_f = q_f = last_fresh = 0.0
+    v_new = u_c - jnp.where(cont4, w_s, w_f)
+    o_c = jnp.where(cont4, q_s, q_f) + jnp.einsum("bhij,bhjv->bhiv", a_qk_c, v_new,
+                                                  precision=_HIGHEST)
+    start = jnp.where(lastcont_c[:, None, None, None], state, last_fresh)
+    new_state = jnp.exp(glast_c)[..., None] * start + jnp.einsum(
+        "bhck,bhcv->bhkv", kend_c, v_new, precision=_HIGHEST)
+    return new_state, (o_c, v_new, state)
+
+  if gather_h0:
+    # The gathered per-token initial states are [C, K, V] per chunk: recompute them in the backward
+    # pass instead of storing them for every chunk.
+    chunk_step = jax.checkpoint(chunk_step)
+
+  chunk_major = lambda x, axis: jnp.moveaxis(x, axis, 0)
+  xs = (chunk_major(a_qk, 2), chunk_major(w, 2), chunk_major(u, 2), chunk_major(qg, 2),
+        chunk_major(k_to_end, 2), chunk_major(g_last, 2), chunk_major(continues, 1),
+        chunk_major(last_continues, 1), chunk_major(lab, 1))
+  if packed or h0 is None:
+    state0 = jnp.zeros((B, H, K, V), f32)
+  else:
+    state0 = h0
+  final_state, (o, v_new, states_in) = jax.lax.scan(chunk_step, state0, xs)
+  # o: [NC, B, H, C, V] -> [B, T, H, V]
+  o = jnp.moveaxis(o, 0, 2).reshape(B, H, T_pad, V)
+  o = jnp.moveaxis(o, 1, 2)[:, :T].astype(out_dtype)
+  if not output_final_state:
+    return o, None
+  if not packed:
+    return o, final_state
+  return o, _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gs, decay, lab_in, v_new,
+                                 states_in)
+
+
+def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gs, decay, lab_in, v_new,
+                         states_in):
+  """State at each packed sequence's last token, from the states entering each chunk.
+
+  Sequence n ends at token e = cu[n+1] − 1 in chunk c = e // C; its state there is the decayed start
+  state of the sequence in that chunk plus the writes of its tokens in c up to e. Shapes: kc, gs
+  [1, H, NC, C, K]; decay [1, H, NC, C, C, K] (masked to same-document causal pairs); lab_in [1, NC];
+  v_new [NC, 1, H, C, V]; states_in [NC, 1, H, K, V].
+  Returns [N, H, K, V] float32.
+  """
+  cu = jnp.asarray(cu_seqlens).astype(jnp.int32)
+  seq_label = jnp.arange(1, num_seqs + 1, dtype=jnp.int32)
+  end = jnp.clip(cu[1:] - 1, 0, T_pad - 1)
+  empty = cu[1:] <= cu[:-1]
+  chunk, pos = end // C, end % C                                        # [N]
+  k_n = jnp.moveaxis(kc[0][:, chunk], 1, 0)                             # [N, H, C, K]
+  vnew_n = v_new[chunk, 0]                                              # [N, H, C, V]
+  g_end = jnp.moveaxis(gs[0][:, chunk, pos], 1, 0)                      # [N, H, K]
+  # Row e of the decays covers exactly the tokens of sequence n in chunk c up to e.
+  k_to_end = jnp.moveaxis(decay[0][:, chunk, pos], 1, 0) * k_n          # [N, H, C, K]
+  fresh = jnp.zeros_like(states_in[0, 0])[None] if h0 is None else h0   # [N or 1, H, K, V]
+  carried = lab_in[0, chunk] == seq_label
+  start = jnp.where(carried[:, None, None, None], states_in[chunk, 0], fresh)
+  state = jnp.exp(g_end)[..., None] * start + jnp.einsum(
+      "nhck,nhcv->nhkv", k_to_end, vnew_n, precision=_HIGHEST)
+  return jnp.where(empty[:, None, None, None], jnp.broadcast_to(fresh, state.shape), state)
