@@ -1,0 +1,227 @@
+"""`chunk_kda`: chunked Kimi Delta Attention on Pallas kernels, differentiable through a Pallas VJP.
+
+What the forward saves for the backward (`_core_fwd`): the kernel inputs, the in-chunk gate cumsum G,
+the per-chunk C×C matrices X (key-key decayed products), P (query-key) and M = (I + L)^{-1}, the WY
+vectors W and U, and the state at the start of every chunk (in the input dtype, like fla). Nothing of
+the forward is recomputed except the pseudo-values Vn = U − W S (one C×K×V dot per chunk in the
+backward's dense kernel). Saving the per-chunk states costs T/C·H·K·V elements but spares the
+backward a second sequential scan, which is the stage with the least parallelism.
+
+Gate policy (the diagonal 16×16 sub-tiles are the only place where a gate bound matters, see
+`kernels.py`):
+- fused bounded gate (`A_log` given, `-5 <= lower_bound < 0`): factored dense tiles (fast path).
+- fused bounded gate with `lower_bound < -5`, or fused softplus gate (`A_log` given, `lower_bound`
+  None, unbounded below): exact pairwise diagonal tiles, statically.
+- pre-activated `g` (`A_log` None): checked at run time with one min-reduction over g; if every
+  g >= -5 the fast path runs, otherwise the exact path (`lax.cond`, both compiled). Either way the
+  result is finite for any finite g <= 0.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import kernels as kk
+
+# A factored diagonal tile multiplies e^{G_i - r} by e^{r - G_j}, r the tile's first row: the second
+# factor reaches e^{15·|g|max}. With |g| <= 5 that is e^75, inside fp32/bf16 range (max ≈ e^88.7).
+SAFE_GATE_BOUND = 5.0
+
+
+def _l2norm(x):
+  xf = x.astype(jnp.float32)
+  return (xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _core(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last):
+  (o, ht), _ = _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last)
+  return o, ht
+
+
+def _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last):
+  G, X, P, D = kk.intra_fwd(cfg, q, k, g, beta, a_log, dt_bias)
+  M, W, U = kk.wy_fwd(cfg, k, v, beta, G, X, D)
+  o, hs, ht = kk.scan_fwd(cfg, q, k, G, W, U, P, h0, seq, first, last, v.dtype)
+  res = (q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, U, hs, seq, first, last)
+  return (o, ht), res
+
+
+def _core_bwd(cfg, res, cts):
+  q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, U, hs, seq, first, last = res
+  do, dht = cts
+  dhs, dvn, dh0 = kk.scan_bwd(cfg, q, k, G, W, P, do, dht.astype(jnp.float32), seq, first, last)
+  dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, q, k, v, beta, G, W, U, M, X, hs, dhs, dvn,
+                                                  do)
+  outs = kk.intra_bwd(cfg, q, k, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias)
+  dq, dk, dg = outs[:3]
+  if cfg.gate == "none":
+    da, ddt = None, None
+  else:
+    da = jnp.sum(outs[3], axis=(0, 1)).astype(a_log.dtype)
+    ddt = jnp.sum(dg, axis=(0, 1)).astype(dt_bias.dtype)
+  return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0, da, ddt, None, None,
+          None)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def _align(x, src, valid, pad_value):
+  """Gathers packed tokens x [1, T, ...] into the chunk-aligned layout [1, T', ...]."""
+  out = jnp.take(x[0], src, axis=0)
+  mask = valid.reshape(valid.shape + (1,) * (x.ndim - 2))
+  return jnp.where(mask, out, jnp.asarray(pad_value, x.dtype))[None]
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              use_qk_l2norm=False, cu_seqlens=None, segment_ids=None, chunk_size=64,
+              interpret=None, A_log=None, dt_bias=None, lower_bound=None):
+  """Chunked KDA (Kimi Delta Attention) on Pallas kernels.
+
+  Args:
+    q, k: [B, T, H, K] queries / keys (bf16 or fp32).
+    v: [B, T, H, V] values.
+    g: [B, T, H, K] log decay (<= 0); with `A_log` given, the raw gate input instead.
+    beta: [B, T, H] delta-rule strength (post-sigmoid).
+    scale: query scale, default K**-0.5.
+    initial_state: [N, H, K, V] fp32 (N = B, or the number of sequences with `cu_seqlens`).
+    output_final_state: also return the state after the last token of each sequence.
+    use_qk_l2norm: L2-normalise q and k over K first (fp32, eps 1e-6 inside the square root).
+    cu_seqlens: [N + 1] int32 offsets of packed sequences (B must be 1).
+    segment_ids: not supported by these kernels (must be None): pack with `cu_seqlens` instead.
+    chunk_size: C, a multiple of 16 (16, 32, 64, ...; a power of two on GPU).
+    interpret: run the Pallas interpreter; None = interpret on CPU, compile elsewhere.
+    A_log: [H] fp32; fuses the gate into the kernel (see `lower_bound`).
+    dt_bias: [H*K] or [H, K] fp32 gate bias (zeros if None); only with `A_log`.
+    lower_bound: with `A_log`, g = lower_bound·sigmoid(exp(A_log)·(g + dt_bias)) (-5 recommended);
+      None selects the unbounded g = -exp(A_log)·softplus(g + dt_bias).
+
+  Returns:
+    (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None).
+  """
+  if q.ndim != 4 or k.shape != q.shape or g.shape != q.shape:
+    raise ValueError(f"q, k, g must share one [B, T, H, K] shape; got {q.shape}, {k.shape}, "
+                     f"{g.shape}")
+  B, T, H, K = q.shape
+  if v.ndim != 4 or v.shape[:3] != (B, T, H):
+    raise ValueError(f"v must be [B, T, H, V] = [{B}, {T}, {H}, V]; got {v.shape}")
+  if beta.shape != (B, T, H):
+    raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}; got {beta.shape}")
+  V = v.shape[-1]
+  C = int(chunk_size)
+  if C < kk.BC or C % kk.BC:
+    raise ValueError(f"chunk_size must be a positive multiple of {kk.BC}; got {chunk_size}")
+  if interpret is None:
+    interpret = jax.default_backend() == "cpu"
+  if not interpret:
+    for name, d in (("K", K), ("V", V), ("chunk_size", C)):
+      if d < 16 or d & (d - 1):
+        raise ValueError(f"{name} must be a power of two >= 16 for the compiled GPU kernels; "
+                         f"got {d}")
+  if segment_ids is not None:
+    raise ValueError("segment_ids is not supported by pallas_kernels.kda.chunk_kda; pass packed "
+                     "sequences as cu_seqlens (B = 1) or use the XLA backend")
+  if A_log is None:
+    if dt_bias is not None or lower_bound is not None:
+      raise ValueError("dt_bias and lower_bound apply to the fused gate only: pass A_log too")
+    gate = "none"
+  else:
+    if A_log.shape != (H,):
+      raise ValueError(f"A_log must be [H] = [{H}]; got {A_log.shape}")
+    dt_bias = (jnp.zeros((H, K), jnp.float32) if dt_bias is None
+               else jnp.reshape(dt_bias, (H, K)))
+    if lower_bound is not None and not lower_bound < 0:
+      raise ValueError(f"lower_bound must be negative; got {lower_bound}")
+    gate = "softplus" if lower_bound is None else "bounded"
+  if T == 0:
+    raise ValueError("T must be positive")
+
+  if cu_seqlens is not None:
+    if B != 1:
+      raise ValueError(f"cu_seqlens requires B == 1; got B = {B}")
+    cu = jnp.asarray(cu_seqlens, jnp.int32)
+    n_seq = cu.shape[0] - 1
+  else:
+    n_seq = B
+  if initial_state is not None and initial_state.shape != (n_seq, H, K, V):
+    raise ValueError(f"initial_state must be [N, H, K, V] = {(n_seq, H, K, V)}; got "
+                     f"{initial_state.shape}")
+
+  if scale is None:
+    scale = K ** -0.5
+  if use_qk_l2norm:
+    q, k = _l2norm(q), _l2norm(k)
+  # Padding tokens must be the identity on the state: k = v = beta = 0 and a log decay of exactly 0
+  # (raw gate input -inf for the fused gates, whose activation maps it to 0).
+  g_pad = 0.0 if gate == "none" else -jnp.inf
+
+  if cu_seqlens is None:
+    tp = -(-T // C) * C
+    pad = tp - T
+    if pad:
+      pad4 = ((0, 0), (0, pad), (0, 0), (0, 0))
+      q, k, v = jnp.pad(q, pad4), jnp.pad(k, pad4), jnp.pad(v, pad4)
+      g = jnp.pad(g, pad4, constant_values=g_pad)
+      beta = jnp.pad(beta, pad4[:3])
+    nt = tp // C
+    cidx = jnp.arange(nt, dtype=jnp.int32)
+    seq = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nt))
+    first = jnp.broadcast_to((cidx == 0).astype(jnp.int32), (B, nt))
+    last = jnp.broadcast_to((cidx == nt - 1).astype(jnp.int32), (B, nt))
+  else:
+    lens = cu[1:] - cu[:-1]
+    plens = -(-lens // C) * C
+    aend = jnp.cumsum(plens)
+    astart = aend - plens
+    tp = -(-(T + n_seq * (C - 1)) // C) * C
+    nt = tp // C
+    astart_x = jnp.concatenate([astart, aend[-1:]])
+    lens_x = jnp.concatenate([lens, jnp.zeros((1,), jnp.int32)])
+    cu_x = jnp.concatenate([cu[:-1], cu[-1:]])
+    pos = jnp.arange(tp, dtype=jnp.int32)
+    n_of = jnp.searchsorted(aend, pos, side="right").astype(jnp.int32)
+    off = pos - astart_x[n_of]
+    valid = off < lens_x[n_of]
+    src = jnp.clip(cu_x[n_of] + off, 0, T - 1)
+    q, k, v = (_align(x, src, valid, 0.0) for x in (q, k, v))
+    g = _align(g, src, valid, g_pad)
+    beta = _align(beta, src, valid, 0.0)
+    c0 = jnp.arange(nt, dtype=jnp.int32) * C
+    n_c = jnp.searchsorted(aend, c0, side="right").astype(jnp.int32)
+    in_seq = n_c < n_seq
+    seq = n_c[None]
+    first = (in_seq & (c0 == astart_x[n_c]))[None].astype(jnp.int32)
+    last = (in_seq & (c0 + C == jnp.concatenate([aend, aend[-1:]])[n_c]))[None].astype(jnp.int32)
+
+  h0 = (jnp.zeros((n_seq, H, K, V), jnp.float32) if initial_state is None
+        else initial_state.astype(jnp.float32))
+  h0 = jnp.concatenate([h0, jnp.zeros((1, H, K, V), jnp.float32)])  # dummy row for padding chunks
+
+  low_precision = q.dtype != jnp.float32 or v.dtype != jnp.float32
+  make_cfg = functools.partial(
+      kk.KernelConfig, chunk=C, scale=float(scale),
+      mm_dtype=jnp.bfloat16 if low_precision else jnp.float32, gate=gate,
+      lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
+      interpret=bool(interpret), state_dtype=jnp.bfloat16 if low_precision else jnp.float32)
+  args = (q, k, v, g, beta, h0, A_log, dt_bias, seq, first, last)
+  if gate == "bounded":
+    o, ht = _core(make_cfg(exact_diag=-lower_bound > SAFE_GATE_BOUND), *args)
+  elif gate == "softplus":
+    o, ht = _core(make_cfg(exact_diag=True), *args)
+  else:
+    bounded = jnp.min(g) >= -SAFE_GATE_BOUND
+    o, ht = lax.cond(bounded, functools.partial(_core, make_cfg(exact_diag=False)),
+                     functools.partial(_core, make_cfg(exact_diag=True)), *args)
+
+  if cu_seqlens is None:
+    o = o[:, :T]
+  else:
+    t = jnp.arange(T, dtype=jnp.int32)
+    n_t = jnp.searchsorted(cu[1:], t, side="right").astype(jnp.int32)
+    o = jnp.take(o[0], astart_x[n_t] + t - cu_x[n_t], axis=0)[None]
+  return o, (ht[:n_seq] if output_final_state else None)

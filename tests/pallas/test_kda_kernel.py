@@ -1,0 +1,161 @@
+"""pallas_kernels.kda.chunk_kda (interpret mode on CPU) against k3jax's token-by-token recurrence."""
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.ops.kda import kda_gate, l2_normalize, recurrent_kda
+from pallas_kernels.kda import chunk_kda
+
+
+def _ratio(a, b):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  den = np.sqrt(np.mean(b ** 2))
+  num = np.sqrt(np.mean((a - b) ** 2))
+  return float(num / den) if den > 0 else float(num)
+
+
+def _inputs(B, T, H, K, V, seed=0, n_states=None):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 9)
+  n = B if n_states is None else n_states
+  return dict(
+      q=jax.random.normal(ks[0], (B, T, H, K)), k=jax.random.normal(ks[1], (B, T, H, K)),
+      v=jax.random.normal(ks[2], (B, T, H, V)), x=jax.random.normal(ks[3], (B, T, H, K)),
+      beta=jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))),
+      h0=jax.random.normal(ks[5], (n, H, K, V)), do=jax.random.normal(ks[6], (B, T, H, V)),
+      dht=jax.random.normal(ks[7], (n, H, K, V)),
+      A_log=0.5 * jax.random.normal(ks[8], (H,)),
+      dt_bias=jax.random.normal(jax.random.fold_in(ks[8], 1), (H * K,)))
+
+
+def _loss(o, ht, d):
+  return jnp.sum(o.astype(jnp.float32) * d["do"]) + jnp.sum(ht * d["dht"])
+
+
+def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=None):
+  """Loss/grads of the kernel with the fused gate against the recurrence on kda_gate(...)."""
+  names = ("q", "k", "v", "x", "beta", "h0", "A_log", "dt_bias")
+
+  def ref(q, k, v, x, beta, h0, a_log, dt):
+    g = kda_gate(x, a_log, dt, lower_bound=lower_bound)
+    o, ht = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=h0,
+                          output_final_state=True, cu_seqlens=cu_seqlens)
+    return _loss(o, ht, d), (o, ht)
+
+  def pal(q, k, v, x, beta, h0, a_log, dt):
+    c = lambda t: t.astype(dtype)
+    o, ht = chunk_kda(c(q), c(k), c(v), c(x), c(beta), initial_state=h0, output_final_state=True,
+                      use_qk_l2norm=True, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
+                      A_log=a_log, dt_bias=dt, lower_bound=lower_bound)
+    return _loss(o, ht, d), (o, ht)
+
+  args = [d[n] for n in names]
+  if dtype != jnp.float32:  # the reference sees the same rounded inputs
+    args = [a.astype(dtype).astype(jnp.float32) if i < 5 else a for i, a in enumerate(args)]
+  g_ref, (o_ref, ht_ref) = jax.grad(ref, argnums=range(8), has_aux=True)(*args)
+  g_pal, (o_pal, ht_pal) = jax.grad(pal, argnums=range(8), has_aux=True)(*args)
+  assert o_pal.dtype == dtype and o_pal.shape == o_ref.shape
+  errs = {"o": _ratio(o_pal, o_ref), "ht": _ratio(ht_pal, ht_ref)}
+  errs.update({"d" + n: _ratio(a, b) for n, a, b in zip(names, g_pal, g_ref)})
+  for a in list(g_pal) + [o_pal, ht_pal]:
+    assert np.isfinite(np.asarray(a, np.float32)).all()
+  return errs
+
+
+def test_fp32_fused_bounded_gate_all_grads():
+  # T = 50 is not a multiple of the chunk (32); two sub-tiles per chunk exercise the inverse merge.
+  d = _inputs(B=2, T=50, H=2, K=32, V=16)
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=32)
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
+
+
+def test_fp32_preactivated_gate_and_chunk64():
+  """Pre-activated g (runtime bound check selects the factored path), C = 64 (4 sub-tiles)."""
+  d = _inputs(B=1, T=100, H=2, K=32, V=32, seed=1)
+  g = jax.nn.log_sigmoid(d["x"])
+
+  def run(fn, q, k, v, g, beta, h0):
+    o, ht = fn(q, k, v, g, beta, h0)
+    return _loss(o, ht, d), (o, ht)
+
+  ref = lambda q, k, v, g, beta, h0: recurrent_kda(
+      l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=h0, output_final_state=True)
+  pal = lambda q, k, v, g, beta, h0: chunk_kda(
+      q, k, v, g, beta, initial_state=h0, output_final_state=True, use_qk_l2norm=True)
+  args = (d["q"], d["k"], d["v"], g, d["beta"], d["h0"])
+  gr, (o_r, ht_r) = jax.grad(lambda *a: run(ref, *a), argnums=range(6), has_aux=True)(*args)
+  gp, (o_p, ht_p) = jax.grad(lambda *a: run(pal, *a), argnums=range(6), has_aux=True)(*args)
+  assert _ratio(o_p, o_r) <= 1e-5 and _ratio(ht_p, ht_r) <= 1e-5
+  for a, b in zip(gp, gr):
+    assert _ratio(a, b) <= 1e-4
+
+
+def test_bf16_thresholds():
+  d = _inputs(B=1, T=128, H=2, K=64, V=64, seed=2)
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, dtype=jnp.bfloat16)
+  assert errs["o"] < 0.005 and errs["ht"] < 0.005, errs
+  for n in ("dq", "dk", "dv", "dh0"):
+    assert errs[n] < 0.008, errs
+  for n in ("dx", "dbeta"):
+    assert errs[n] < 0.02, errs
+
+
+def test_cu_seqlens_with_states_and_empty_sequence():
+  cu = jnp.array([0, 5, 5, 40, 41, 70], jnp.int32)  # includes an empty sequence
+  d = _inputs(B=1, T=70, H=1, K=16, V=16, seed=3, n_states=5)
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=16, cu_seqlens=cu)
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
+
+
+def test_saturated_bounded_gate():
+  """x + dt_bias = +20 everywhere: g ≈ -5 every token, the factored tiles' worst case (e^75)."""
+  d = _inputs(B=1, T=48, H=1, K=16, V=16, seed=4)
+  d["x"] = jnp.full_like(d["x"], 20.0)
+  d["dt_bias"] = jnp.zeros_like(d["dt_bias"])
+  d["A_log"] = jnp.zeros_like(d["A_log"])
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=16)
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  # dx is ~0 (sigmoid saturated): compare the gradients that carry signal.
+  for n in ("dq", "dk", "dv", "dbeta", "dh0"):
+    assert errs[n] <= 1e-4, errs
+
+
+def test_unbounded_gates_take_exact_path():
+  """Softplus gate with exp(A_log) = 201 (|g| up to thousands) and pre-activated g < -5: finite and
+  exact, where a factored diagonal tile would overflow to inf/NaN."""
+  d = _inputs(B=1, T=40, H=1, K=16, V=16, seed=5)
+  d["A_log"] = jnp.full_like(d["A_log"], math.log(201.0))
+  errs = _compare_fused(d, lower_bound=None, chunk_size=16)
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  for n in ("dq", "dk", "dv", "dbeta", "dh0"):
+    assert errs[n] <= 1e-4, errs
+
+  g = -30.0 * jax.nn.sigmoid(d["x"])  # per-token decay down to -30: a 15-token span of -450
+  o_p, ht_p = chunk_kda(d["q"], d["k"], d["v"], g, d["beta"], initial_state=d["h0"],
+                        output_final_state=True, chunk_size=16)
+  o_r, ht_r = recurrent_kda(d["q"], d["k"], d["v"], g, d["beta"], initial_state=d["h0"],
+                            output_final_state=True)
+  assert np.isfinite(np.asarray(o_p)).all() and np.isfinite(np.asarray(ht_p)).all()
+  assert _ratio(o_p, o_r) <= 1e-5 and _ratio(ht_p, ht_r) <= 1e-5
+
+
+def test_bad_arguments():
+  d = _inputs(B=1, T=16, H=1, K=16, V=16)
+  q, k, v, x, beta = d["q"], d["k"], d["v"], d["x"], d["beta"]
+  with pytest.raises(ValueError, match="segment_ids"):
+    chunk_kda(q, k, v, x, beta, segment_ids=jnp.ones((1, 16), jnp.int32))
+  with pytest.raises(ValueError, match="A_log"):
+    chunk_kda(q, k, v, x, beta, lower_bound=-5.0)
+  with pytest.raises(ValueError, match="chunk_size"):
+    chunk_kda(q, k, v, x, beta, chunk_size=24)
+  with pytest.raises(ValueError, match="cu_seqlens requires B == 1"):
+    chunk_kda(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]),
+              jnp.concatenate([x, x]), jnp.concatenate([beta, beta]),
+              cu_seqlens=jnp.array([0, 16], jnp.int32))
