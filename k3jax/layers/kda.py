@@ -1,0 +1,143 @@
+"""The KDA layer: projections, short convs, gates, the KDA op, gated per-head RMSNorm, output.
+
+ARCHITECTURE.md §1 ("Around the kernel"), notes/kda.md §1.4. For the normed layer input x [B, T, d]:
+
+  q, k, v = silu(conv(x W_q)), silu(conv(x W_k)), silu(conv(x W_v))   per head [H, K] / [H, V]
+  g       = kda_gate(x W_f, A_log, dt_bias, lower_bound)              log decay [B, T, H, K] fp32
+            (W_f full rank d -> H*K, or low rank d -> kda_gate_rank -> H*K)
+  beta    = sigmoid(x W_b)                                           [B, T, H]
+  o       = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True)            [B, T, H, V]
+  y       = (RMSNorm_per_head(o) * w) * sigmoid(x W_g)  then  y W_o    [B, T, d]
+
+Packed rows: segment ids reset the KDA state and isolate the convs per document; padding tokens
+output zeros.
+
+Decode (`decode=True`). The 'cache' collection holds, per layer:
+  q_conv/conv_state, k_conv/conv_state [B, W-1, H*K], v_conv/conv_state [B, W-1, H*V] (cfg.dtype)
+  kda_state [B, H, K, V] float32
+all created (zeros) by the init call, sized by its batch. A call with T > 1 runs the chunked op from the
+cached state (prefill, or a later chunk of it); T == 1 steps the recurrence. Each call continues the
+row's one document: in decode mode segment ids only mark padding (0), which leaves every state as is.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.layers.common import logical_param, normal_init, rms_norm, to_dtype
+from k3jax.layers.conv import ShortConv
+from k3jax.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
+
+DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
+
+
+def a_log_init(bounded: bool):
+  """A_log [H]: 0 with the bounded gate (exp(A_log) = 1), else log U(1, 16) (fla's init)."""
+
+  def init(key, shape, dtype=jnp.float32):
+    if bounded:
+      return jnp.zeros(shape, dtype)
+    return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
+  return init
+
+
+def dt_bias_init(key, shape, dtype=jnp.float32):
+  """dt_bias [H*K] = softplus^-1(dt), dt log-uniform in [1e-3, 1e-1] (Mamba-style, floored at 1e-4)."""
+  u = jax.random.uniform(key, shape, jnp.float32)
+  dt = jnp.exp(u * (math.log(DT_MAX) - math.log(DT_MIN)) + math.log(DT_MIN))
+  dt = jnp.maximum(dt, DT_FLOOR)
+  return (dt + jnp.log(-jnp.expm1(-dt))).astype(dtype)
+
+
+class KDALayer(nn.Module):
+  """Kimi Delta Attention layer. Call: x [B, T, d] (normed), segment_ids [B, T] | None -> [B, T, d].
+
+  The decay gate g is sown into 'intermediates' as `gate` (fp32 [B, T, H, K]) for diagnostics.
+  """
+  config: ModelConfig
+
+  def _w(self, name, shape, axes):
+    cfg = self.config
+    return logical_param(self, name, shape, axes, normal_init(cfg.init_std),
+                         to_dtype(cfg.param_dtype)).astype(to_dtype(cfg.dtype))
+
+  @nn.compact
+  def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
+               decode: bool = False) -> jax.Array:
+    cfg = self.config
+    dtype, param_dtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
+    b, t, d = x.shape
+    if d != cfg.d_model:
+      raise ValueError(f"x last dim {d} differs from d_model={cfg.d_model}")
+    if segment_ids is not None and segment_ids.shape != (b, t):
+      raise ValueError(f"segment_ids must have shape {(b, t)}, got {segment_ids.shape}")
+    h, dk, dv = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_value_dim
+    x = x.astype(dtype)
+    initializing = self.is_initializing()
+    stepping = decode and not initializing
+
+    def conv(name, y):
+      return ShortConv(width=cfg.kda_conv_size, channel_axis="heads", dtype=dtype,
+                       param_dtype=param_dtype, name=name)(y, segment_ids, decode=decode)
+
+    q = jnp.einsum("btd,dhk->bthk", x, self._w("q_proj", (d, h, dk), ("embed", "heads", "head_dim")))
+    k = jnp.einsum("btd,dhk->bthk", x, self._w("k_proj", (d, h, dk), ("embed", "heads", "head_dim")))
+    v = jnp.einsum("btd,dhv->bthv", x, self._w("v_proj", (d, h, dv), ("embed", "heads", "head_dim")))
+    q = conv("q_conv", q.reshape(b, t, h * dk)).reshape(b, t, h, dk)
+    k = conv("k_conv", k.reshape(b, t, h * dk)).reshape(b, t, h, dk)
+    v = conv("v_conv", v.reshape(b, t, h * dv)).reshape(b, t, h, dv)
+
+    # Decay gate (fp32).
+    if cfg.kda_gate_rank > 0:
+      f_a = self._w("f_a_proj", (d, cfg.kda_gate_rank), ("embed", None))
+      f_b = self._w("f_b_proj", (cfg.kda_gate_rank, h, dk), (None, "heads", "head_dim"))
+      gate_x = jnp.einsum("btr,rhk->bthk", x @ f_a, f_b)
+    else:
+      gate_x = jnp.einsum("btd,dhk->bthk", x,
+                          self._w("f_proj", (d, h, dk), ("embed", "heads", "head_dim")))
+    bounded = cfg.kda_gate_lower_bound is not None
+    a_log = logical_param(self, "A_log", (h,), ("heads",), a_log_init(bounded), jnp.float32)
+    dt_bias = logical_param(self, "dt_bias", (h * dk,), ("heads",), dt_bias_init, jnp.float32)
+    g = kda_gate(gate_x, a_log, dt_bias, lower_bound=cfg.kda_gate_lower_bound)
+    self.sow("intermediates", "gate", g)
+
+    beta = jax.nn.sigmoid(
+        jnp.einsum("btd,dh->bth", x, self._w("b_proj", (d, h), ("embed", "heads")))
+        .astype(jnp.float32))
+
+    if not decode:
+      o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=segment_ids,
+                       chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend)
+    else:
+      state = self.variable("cache", "kda_state", jnp.zeros, (b, h, dk, dv), jnp.float32)
+      if not stepping:  # init: size the cache, leave it empty, run the plain forward.
+        o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=segment_ids,
+                         chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend)
+      else:
+        if state.value.shape[0] != b:
+          raise ValueError(f"decode batch {b} differs from the cache batch {state.value.shape[0]}")
+        # One continuing document per row: ids only separate real tokens (1) from padding (0).
+        doc = None if segment_ids is None else (segment_ids != 0).astype(jnp.int32)
+        if t == 1:
+          o, new_state = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta,
+                                       initial_state=state.value, output_final_state=True,
+                                       segment_ids=doc)
+        else:
+          o, new_state = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=doc,
+                                   initial_state=state.value, output_final_state=True,
+                                   chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend)
+        state.value = new_state.astype(jnp.float32)
+
+    # Gated per-head RMSNorm (fla's FusedRMSNormGated with a sigmoid gate), fp32.
+    norm_w = logical_param(self, "o_norm", (dv,), ("norm",), nn.initializers.ones, param_dtype)
+    out_gate = jnp.einsum("btd,dhv->bthv", x,
+                          self._w("g_proj", (d, h, dv), ("embed", "heads", "head_dim")))
+    o = rms_norm(o, cfg.norm_eps, norm_w) * jax.nn.sigmoid(out_gate.astype(jnp.float32))
+    w_o = self._w("o_proj", (h, dv, d), ("heads", "head_dim", "embed"))
+    return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)

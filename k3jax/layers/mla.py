@@ -1,0 +1,160 @@
+"""Gated Multi-head Latent Attention (DeepSeek MLA, NoPE, with K3's sigmoid output gate).
+
+ARCHITECTURE.md §2. Per head h, for the normed layer input x [B, T, d]:
+
+  c_kv   = RMSNorm(x W_dkv)                       [B, T, kv_lora]      (eps 1e-6, like the LoRA norms)
+  k_nope = c_kv W_uk[h],  v = c_kv W_uv[h]         [B, T, H, nope], [B, T, H, v_dim]
+  k_rope = x W_kr                                  [B, T, rope], shared by all heads, never rotated
+  q      = RMSNorm(x W_dq) W_uq  (q_lora > 0)  or  x W_q        [B, T, H, nope + rope]
+  o      = softmax((q . [k_nope; k_rope]) / sqrt(nope + rope)) v
+  o      = o * sigmoid(x W_g)   (cfg.mla_output_gate; elementwise over the flattened heads)
+  y      = o W_o
+
+Projection weights keep the head axis separate ([d, H, dh], [H, dh, d]) so that per-head optimizers
+(Per-Head Muon, QK-Clip) can address heads directly.
+
+Decode (`decode=True`). The 'cache' collection holds only the latent:
+  cached_ckv   [B, max_len, kv_lora]  normed c_kv, in cfg.dtype
+  cached_krope [B, max_len, rope]     shared rope key, in cfg.dtype (absent when rope == 0)
+  cached_valid [B, max_len] int32     1 where a real (non-padding) token was written
+  cache_index  [] int32               number of positions written so far (same for all rows)
+max_len is the T of the init call. A call with T tokens writes positions [index, index + T) (the caller
+keeps index + T <= max_len) and attends over the cache with W_uk absorbed into the query and W_uv
+applied after attention (MQA over the latent: one shared key [c_kv; k_rope] and value c_kv). In decode
+mode segment ids only mark padding (0); all nonzero tokens of a row form one continuing document.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from k3jax.config import ModelConfig
+from k3jax.layers.common import RMSNorm, logical_param, normal_init, to_dtype
+from k3jax.ops.attention import attention
+
+# DeepSeek / Kimi use eps 1e-6 on the q_a / kv_a LoRA norms (notes/arch.md §2.1).
+LORA_NORM_EPS = 1e-6
+
+
+class GatedMLA(nn.Module):
+  """Gated MLA layer. Call: x [B, T, d] (already normed), segment_ids [B, T] or None -> [B, T, d]."""
+  config: ModelConfig
+
+  def _w(self, name, shape, axes):
+    cfg = self.config
+    return logical_param(self, name, shape, axes, normal_init(cfg.init_std),
+                         to_dtype(cfg.param_dtype)).astype(to_dtype(cfg.dtype))
+
+  @nn.compact
+  def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
+               decode: bool = False) -> jax.Array:
+    cfg = self.config
+    dtype = to_dtype(cfg.dtype)
+    b, t, d = x.shape
+    if d != cfg.d_model:
+      raise ValueError(f"x last dim {d} differs from d_model={cfg.d_model}")
+    if segment_ids is not None and segment_ids.shape != (b, t):
+      raise ValueError(f"segment_ids must have shape {(b, t)}, got {segment_ids.shape}")
+    h, nope, rope = cfg.mla_num_heads, cfg.mla_qk_nope_dim, cfg.mla_qk_rope_dim
+    dqk, dv, r_kv = nope + rope, cfg.mla_v_dim, cfg.mla_kv_lora_rank
+    scale = dqk ** -0.5
+    x = x.astype(dtype)
+
+    # Queries.
+    if cfg.mla_q_lora_rank > 0:
+      w_dq = self._w("wq_a", (d, cfg.mla_q_lora_rank), ("embed", "q_lora"))
+      c_q = RMSNorm(eps=LORA_NORM_EPS, dtype=dtype, param_dtype=to_dtype(cfg.param_dtype),
+                    name="q_norm")(x @ w_dq)
+      w_uq = self._w("wq_b", (cfg.mla_q_lora_rank, h, dqk), ("q_lora", "heads", "head_dim"))
+      q = jnp.einsum("btr,rhk->bthk", c_q, w_uq)
+    else:
+      w_q = self._w("wq", (d, h, dqk), ("embed", "heads", "head_dim"))
+      q = jnp.einsum("btd,dhk->bthk", x, w_q)
+    q_nope, q_rope = q[..., :nope], q[..., nope:]
+
+    # Latent keys/values.
+    w_dkv = self._w("wkv_a", (d, r_kv), ("embed", "kv_lora"))
+    c_kv = RMSNorm(eps=LORA_NORM_EPS, dtype=dtype, param_dtype=to_dtype(cfg.param_dtype),
+                   name="kv_norm")(x @ w_dkv)
+    k_rope = None
+    if rope > 0:
+      w_kr = self._w("wk_rope", (d, rope), ("embed", "head_dim"))
+      k_rope = x @ w_kr
+    w_uk = self._w("wk_b", (r_kv, h, nope), ("kv_lora", "heads", "head_dim"))
+    w_uv = self._w("wv_b", (r_kv, h, dv), ("kv_lora", "heads", "head_dim"))
+
+    if decode and not self.is_initializing():
+      o = self._decode_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, segment_ids, scale)
+    else:
+      if decode:  # init: size the cache (max_len = T) and run the plain forward.
+        self._cache_vars(b, t, dtype)
+      o = self._full_attention(q, c_kv, k_rope, w_uk, w_uv, segment_ids, scale)
+
+    if cfg.mla_output_gate:
+      w_g = self._w("w_gate", (d, h, dv), ("embed", "heads", "head_dim"))
+      gate = jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x, w_g).astype(jnp.float32))
+      o = (o.astype(jnp.float32) * gate).astype(dtype)
+    w_o = self._w("wo", (h, dv, d), ("heads", "head_dim", "embed"))
+    return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)
+
+  def _full_attention(self, q, c_kv, k_rope, w_uk, w_uv, segment_ids, scale):
+    """Materialised per-head K/V (training and the reference for decode). Returns [B, T, H, v]."""
+    k_nope = jnp.einsum("btr,rhk->bthk", c_kv, w_uk)
+    if k_rope is not None:
+      kr = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (k_rope.shape[-1],))
+      k = jnp.concatenate([k_nope, kr], axis=-1)
+    else:
+      k = k_nope
+    v = jnp.einsum("btr,rhv->bthv", c_kv, w_uv)
+    return attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
+                     scale=scale, implementation=self.config.attention_impl)
+
+  def _cache_vars(self, b, max_len, dtype):
+    cfg = self.config
+    ckv = self.variable("cache", "cached_ckv", jnp.zeros, (b, max_len, cfg.mla_kv_lora_rank), dtype)
+    krope = None
+    if cfg.mla_qk_rope_dim > 0:
+      krope = self.variable("cache", "cached_krope", jnp.zeros, (b, max_len, cfg.mla_qk_rope_dim),
+                            dtype)
+    valid = self.variable("cache", "cached_valid", jnp.zeros, (b, max_len), jnp.int32)
+    index = self.variable("cache", "cache_index", lambda: jnp.zeros((), jnp.int32))
+    return ckv, krope, valid, index
+
+  def _decode_attention(self, q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, segment_ids, scale):
+    """Appends this call's latents to the cache and attends over it (absorbed form)."""
+    b, t = c_kv.shape[:2]
+    if not self.has_variable("cache", "cached_ckv"):
+      raise ValueError("decode=True needs a cache: init the model with decode=True first")
+    ckv, krope, valid, index = self._cache_vars(b, 0, c_kv.dtype)
+    if ckv.value.shape[0] != b:
+      raise ValueError(f"decode batch {b} differs from the cache batch {ckv.value.shape[0]}")
+    max_len = ckv.value.shape[1]
+    if t > max_len:
+      raise ValueError(f"{t} tokens do not fit a cache of max_len {max_len}")
+    idx = index.value
+    ckv.value = jax.lax.dynamic_update_slice(ckv.value, c_kv.astype(ckv.value.dtype), (0, idx, 0))
+    if krope is not None:
+      krope.value = jax.lax.dynamic_update_slice(krope.value, k_rope.astype(krope.value.dtype),
+                                                 (0, idx, 0))
+    q_valid = (jnp.ones((b, t), jnp.int32) if segment_ids is None
+               else (segment_ids != 0).astype(jnp.int32))
+    valid.value = jax.lax.dynamic_update_slice(valid.value, q_valid, (0, idx))
+    index.value = idx + t
+
+    # W_uk absorbed: q_nope . (W_uk c) = (W_uk^T q_nope) . c, so every head shares one latent key.
+    q_lat = jnp.einsum("bthk,rhk->bthr", q_nope, w_uk)
+    keys = ckv.value
+    if krope is not None:
+      q_lat = jnp.concatenate([q_lat, q_rope], axis=-1)
+      keys = jnp.concatenate([keys, krope.value], axis=-1)
+    # cuDNN caps head dims at 256 and kv_lora + rope exceeds that at real sizes: XLA here.
+    o_lat = attention(q_lat, keys[:, :, None, :], ckv.value[:, :, None, :],
+                      q_segment_ids=q_valid, kv_segment_ids=valid.value,
+                      q_positions=idx + jnp.arange(t, dtype=jnp.int32),
+                      kv_positions=jnp.arange(max_len, dtype=jnp.int32),
+                      causal=True, scale=scale, implementation="xla")
+    return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
