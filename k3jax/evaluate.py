@@ -1,0 +1,232 @@
+r"""Evaluation: validation loss and bits per byte, passkey retrieval by length, per-layer MaxVio.
+
+Library: `Evaluator(cfg, model, data)` evaluates given params/moe_state at a training length;
+the trainer calls it at each stage end. CLI: restore a run's checkpoint (params + moe_state only)
+and evaluate it:
+
+  python -m k3jax.evaluate --workdir=DIR [--step=N] [--seq_len=T]
+
+prints the results and writes them to DIR/eval_step<N>.json. The run's config is read from
+DIR/config.gin (written by k3jax.train).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from typing import Any, Mapping, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from k3jax import config as config_lib
+from k3jax.data import synthetic
+
+PyTree = Any
+
+
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array
+                        ) -> tuple[jax.Array, jax.Array]:
+  """(sum of masked token cross-entropies, sum of the mask), both fp32 scalars.
+
+  logits [B,T,V] (cast to fp32), targets [B,T] int32, loss_mask [B,T] float32.
+  """
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  mask = loss_mask.astype(jnp.float32)
+  return jnp.sum(ce * mask), jnp.sum(mask)
+
+
+def moe_stats_by_layer(moe_stats: Mapping) -> dict[str, dict[str, Any]]:
+  """Flattens the sown 'moe_stats' collection to {layer name: {'load', 'max_vio', 'aux_loss'}}.
+
+  The layer name is the path of the MoE module ('layer_3/moe'); sown values are tuples (one entry
+  per call), of which the last is taken. Layers are ordered by their layer number.
+  """
+  out: dict[str, dict[str, Any]] = {}
+  flat = jax.tree_util.tree_flatten_with_path(
+      moe_stats, is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, "_fields"))[0]
+  for path, value in flat:
+    keys = [getattr(p, "key", getattr(p, "name", str(p))) for p in path]
+    if isinstance(value, tuple):
+      value = value[-1]
+    name = "/".join(str(k) for k in keys[:-1])
+    out.setdefault(name, {})[str(keys[-1])] = value
+  return dict(sorted(out.items(), key=lambda kv: _natural_key(kv[0])))
+
+
+def _natural_key(name: str):
+  import re
+  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def max_violation(load: np.ndarray) -> float:
+  """MaxVio = (max_j load_j - mean load) / mean load of one layer's expert loads [E]."""
+  load = np.asarray(load, np.float64)
+  mean = load.mean()
+  return float((load.max() - mean) / mean) if mean > 0 else 0.0
+
+
+def bytes_per_token(corpus) -> float:
+  """Average UTF-8 bytes per (non-BOS) token of the validation stream; 1 for the byte tokenizer."""
+  tok = corpus.tokenizer
+  if type(tok).__name__ == "ByteTokenizer":
+    return 1.0
+  ids = np.asarray(corpus.valid_tokens)
+  ids = ids[ids != tok.bos_id]
+  n_bytes = len(tok.decode(ids).encode("utf-8"))
+  return n_bytes / max(ids.size, 1)
+
+
+def passkey_min_len(tokenizer, digits: int = 5) -> int:
+  """The shortest seq_len `synthetic.passkey_batch` accepts for `digits`-digit keys."""
+  needle = tokenizer.encode(synthetic.PASSKEY_NEEDLE.format(key="1" * digits)).size
+  question = tokenizer.encode(synthetic.PASSKEY_QUESTION).size
+  answer = tokenizer.encode("1" * digits).size
+  return needle + question + answer
+
+
+class Evaluator:
+  """Evaluates a model (params + moe_state) on the validation stream and on passkey retrieval.
+
+  Args:
+    cfg: the run config (eval settings; tokens_per_step sets the validation batch size).
+    model: the `K3Model`.
+    data: the run's `k3jax.train.Data` (validation batches, tokenizer, passkey filler, bytes/token).
+  """
+
+  def __init__(self, cfg: config_lib.Config, model, data):
+    self.cfg = cfg
+    self.model = model
+    self.data = data
+
+    def forward(params, moe_state, batch):
+      logits, mutated = model.apply({"params": params, "moe_state": moe_state}, batch["inputs"],
+                                    batch["segment_ids"], mutable=["moe_stats"])
+      return logits, mutated.get("moe_stats", {})
+
+    def loss_and_stats(params, moe_state, batch):
+      logits, stats = forward(params, moe_state, batch)
+      return token_cross_entropy(logits, batch["targets"], batch["loss_mask"]), stats
+
+    self._loss_and_stats = jax.jit(loss_and_stats)
+    self._logits = jax.jit(lambda p, s, b: forward(p, s, b)[0])
+
+  def validation(self, params, moe_state, seq_len: int) -> dict:
+    """Validation loss (nats/token), bits per byte, and per-layer MaxVio of the summed loads."""
+    batch_size = max(1, self.cfg.stages.tokens_per_step // seq_len)
+    total, count = 0.0, 0.0
+    loads: dict[str, np.ndarray] = {}
+    for batch in self.data.validation_batches(seq_len, batch_size, self.cfg.eval.num_batches):
+      (s, n), stats = self._loss_and_stats(params, moe_state, _device_batch(batch))
+      total += float(s)
+      count += float(n)
+      for name, layer in moe_stats_by_layer(stats).items():
+        if "load" in layer:
+          loads[name] = loads.get(name, 0.0) + np.asarray(layer["load"], np.float64)
+    loss = total / max(count, 1.0)
+    out = {"val_loss": loss, "val_bpb": loss / math.log(2) / self.data.bytes_per_token,
+           "val_tokens": int(count)}
+    for name, load in loads.items():
+      out[f"val_max_vio/{name}"] = max_violation(load)
+    return out
+
+  def passkey(self, params, moe_state, train_len: int, seed: int = 0) -> dict:
+    """Passkey accuracy at train_len x every cfg.eval.passkey_multipliers; lengths shorter than
+    the task needs are reported as None."""
+    out = {}
+    min_len = passkey_min_len(self.data.tokenizer)
+    for m in self.cfg.eval.passkey_multipliers:
+      length = int(train_len * m)
+      if length < min_len:
+        out[f"passkey/{length}"] = None
+        continue
+      batch = synthetic.passkey_batch(np.random.default_rng([seed, length]),
+                                      self.cfg.eval.passkey_samples, length,
+                                      self.data.tokenizer, filler_tokens=self.data.filler_tokens)
+      logits = self._logits(params, moe_state, _device_batch(batch))
+      out[f"passkey/{length}"] = float(np.mean(synthetic.passkey_accuracy(logits, batch)))
+    return out
+
+  def __call__(self, params, moe_state, train_len: int, seed: int = 0) -> dict:
+    out = {"seq_len": int(train_len)}
+    out.update(self.validation(params, moe_state, train_len))
+    out.update(self.passkey(params, moe_state, train_len, seed))
+    return out
+
+
+def _device_batch(batch: Mapping[str, np.ndarray]) -> dict:
+  return {k: jnp.asarray(batch[k]) for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+
+
+def format_eval(results: Mapping[str, Any]) -> str:
+  """One readable line per result."""
+  lines = []
+  for k, v in results.items():
+    lines.append(f"  {k:<28s} {v:.4f}" if isinstance(v, float) else f"  {k:<28s} {v}")
+  return "\n".join(lines)
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+def evaluate_workdir(workdir: str, step: Optional[int] = None, seq_len: Optional[int] = None
+                     ) -> dict:
+  """Restores params + moe_state of `step` (default: latest) from a run directory and evaluates
+  them at `seq_len` (default: the training length of the checkpoint's stage)."""
+  from k3jax import checkpoint as checkpoint_lib
+  from k3jax import train as train_lib
+  from k3jax.model import K3Model
+
+  gin_path = os.path.join(workdir, "config.gin")
+  if not os.path.isfile(gin_path):
+    raise FileNotFoundError(f"--workdir={workdir!r} has no config.gin (not a k3jax.train run?)")
+  cfg = config_lib.from_gin([gin_path])
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
+                                     read_only=True)
+  try:
+    params, moe_state, meta = ckpt.restore_model(step)
+  finally:
+    ckpt.close()
+  evaluator = Evaluator(cfg, K3Model(cfg.model), train_lib.make_data(cfg))
+  length = seq_len or int(meta["seq_len"])
+  results = {"step": int(meta["step"]), "stage": int(meta["stage"])}
+  results.update(evaluator(params, moe_state, length, seed=cfg.seed))
+  return results
+
+
+def main(argv):
+  from absl import flags
+  del argv
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  FLAGS = flags.FLAGS
+  try:
+    results = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.seq_len)
+  except (config_lib.ConfigError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  print(f"evaluation of {FLAGS.workdir} at step {results['step']}:")
+  print(format_eval(results))
+  path = os.path.join(FLAGS.workdir, f"eval_step{results['step']}.json")
+  with open(path, "w") as f:
+    json.dump(results, f, indent=2)
+  print(f"written to {path}")
+
+
+def _define_flags():
+  from absl import flags
+  flags.DEFINE_string("workdir", None, "Run directory written by k3jax.train.", required=True)
+  flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
+  flags.DEFINE_integer("seq_len", None,
+                       "Training length for the evaluation (default: the checkpoint's stage).")
+
+
+if __name__ == "__main__":
+  from absl import app
+  _define_flags()
+  app.run(main)

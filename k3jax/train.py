@@ -1,0 +1,521 @@
+r"""Training: one loop over global steps and the stages of a staged context extension.
+
+  python -m k3jax.train --gin_file=gin_configs/tiny.gin [--gin_bindings='ModelConfig.d_model = 64'] \
+      --workdir=DIR [--max_steps=N] [--mesh=data:2,expert:4] [--peak_tflops=989]
+
+How the pieces fit:
+  * Stages. `cfg.stages.stages` = ((seq_len, steps), ...). Global step s (0-based) belongs to stage
+    `stage_at(s)`; its batch is [tokens_per_step // seq_len, seq_len], and is a pure function of s
+    (the data position is the step). The optimizer state, the MoE balance biases ('moe_state'), the
+    data position and the LR schedule (one cosine over all steps) simply carry on across stage
+    boundaries; only the batch shape changes (and with it the jit trace).
+  * Checkpoints (`DIR/checkpoints`): every `CheckpointConfig.every_steps`, at every stage end (kept
+    forever), at --max_steps, and on SIGTERM/SIGINT (the handler sets a flag; the loop finishes the
+    running step, saves, waits for the write, and exits with 128 + signal). Re-running the same
+    command restores the latest finalised checkpoint and continues bit-exactly.
+  * A non-finite loss or gradient norm stops the run before anything of that step is saved.
+  * Outputs: DIR/config.gin + config.json (the operative config), metrics.jsonl, tb/ (TensorBoard),
+    eval.json and plots/ at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import signal
+import sys
+import threading
+from typing import Any, Callable, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import struct
+
+from k3jax import checkpoint as checkpoint_lib
+from k3jax import config as config_lib
+from k3jax import metrics as metrics_lib
+from k3jax import optim
+from k3jax import plots
+from k3jax.data import packing
+from k3jax.data import synthetic
+from k3jax.data.corpus import load_corpus
+from k3jax.data.tokenizers import make_tokenizer
+from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_layer
+from k3jax.evaluate import bytes_per_token, token_cross_entropy
+from k3jax.model import K3Model, count_params, init_variables
+
+PyTree = Any
+# The collection in which MLA layers sow per-head max attention logits for QK-Clip: leaves named
+# 'max_logits', shape [mla_num_heads] fp32, at the MLA module's path (e.g. layer_3/mla/max_logits).
+QK_STATS_COLLECTION = "attn_stats"
+# Rows drawn per MQAR validation batch come from rng streams disjoint from the training steps'.
+_SYNTHETIC_VALIDATION_OFFSET = 1 << 40
+
+
+class NonFiniteLossError(RuntimeError):
+  """The loss or gradient norm of a step was NaN/inf; nothing of that step was saved."""
+
+
+@struct.dataclass
+class TrainState:
+  """Everything that changes during training. step: int32 scalar, optimizer steps done."""
+  step: jax.Array
+  params: PyTree
+  opt_state: PyTree
+  moe_state: PyTree
+  rng: jax.Array
+
+
+class Data(NamedTuple):
+  """The run's data, whatever the source.
+
+  train_iterator(start_step) yields the batches of steps start_step, start_step + 1, ...;
+  validation_batches(seq_len, batch_size, num_batches) gives fixed validation batches.
+  """
+  train_iterator: Callable[[int], Any]
+  validation_batches: Callable[[int, int, int], list]
+  tokenizer: Any
+  filler_tokens: Optional[np.ndarray]   # passkey filler (validation text), None: fixed sentence
+  bytes_per_token: float
+
+
+# ------------------------------------------------------------------------------------------------
+# Set-up
+# ------------------------------------------------------------------------------------------------
+
+def config_from_flags(gin_files: Sequence[str], gin_bindings: Sequence[str], mesh: str = ""
+                      ) -> config_lib.Config:
+  """`from_gin` over the files and bindings; --mesh becomes `MeshConfig.axes`."""
+  bindings = list(gin_bindings)
+  if mesh:
+    bindings.append(f"MeshConfig.axes = {mesh!r}")
+  return config_lib.from_gin(gin_files, bindings)
+
+
+def config_to_gin(cfg: config_lib.Config) -> str:
+  """Gin bindings that rebuild `cfg` exactly (every field of every sub-config)."""
+  lines = []
+  for field in dataclasses.fields(cfg):
+    value = getattr(cfg, field.name)
+    if dataclasses.is_dataclass(value):
+      lines.append(f"# {field.name}")
+      cls = type(value).__name__
+      lines += [f"{cls}.{f.name} = {getattr(value, f.name)!r}" for f in dataclasses.fields(value)]
+    else:
+      lines.append(f"Config.{field.name} = {value!r}")
+  return "\n".join(lines) + "\n"
+
+
+def write_config(workdir: str, cfg: config_lib.Config) -> None:
+  """Writes DIR/config.gin (re-parsable with from_gin) and DIR/config.json (readable dump)."""
+  text = config_to_gin(cfg)
+  path = os.path.join(workdir, "config.gin")
+  if os.path.exists(path):
+    with open(path) as f:
+      old = f.read()
+    changed = sorted(set(text.splitlines()) - set(old.splitlines()))
+    if changed:
+      print("note: the config differs from the one this run started with:\n  " +
+            "\n  ".join(changed), file=sys.stderr)
+  with open(path, "w") as f:
+    f.write(text)
+  with open(os.path.join(workdir, "config.json"), "w") as f:
+    json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+
+def make_data(cfg: config_lib.Config) -> Data:
+  """Loads the corpus (or sets up the synthetic task) of `cfg.data`.
+
+  Raises ConfigError (naming the DataConfig setting) when the data cannot be loaded.
+  """
+  dcfg, scfg = cfg.data, cfg.stages
+  seq_len_fn = packing.StageSeqLen(scfg)
+  try:
+    if dcfg.source in ("mqar", "passkey"):
+      tokenizer = make_tokenizer(dcfg.tokenizer, dcfg.tokenizer_path)
+
+      def validation_batches(seq_len, batch_size, num_batches):
+        rngs = [np.random.default_rng([dcfg.seed, _SYNTHETIC_VALIDATION_OFFSET + i])
+                for i in range(num_batches)]
+        if dcfg.source == "mqar":
+          return [synthetic.mqar_batch(r, batch_size, seq_len, cfg.model.vocab_size, 8)
+                  for r in rngs]
+        return [synthetic.passkey_batch(r, batch_size, seq_len, tokenizer) for r in rngs]
+
+      def train_iterator(start_step):
+        return packing.make_train_iterator(dcfg, scfg.tokens_per_step, seq_len_fn, start_step,
+                                           num_steps=scfg.total_steps,
+                                           vocab_size=cfg.model.vocab_size)
+      if dcfg.source == "passkey":
+        _check_vocab(cfg, tokenizer)
+      bpt = 1.0 if dcfg.tokenizer == "byte" else float("nan")
+      return Data(train_iterator, validation_batches, tokenizer, None, bpt)
+
+    corpus = load_corpus(dcfg)
+  except ValueError as e:
+    raise config_lib.ConfigError(str(e)) from e
+
+  def validation_batches(seq_len, batch_size, num_batches):
+    return packing.validation_batches(corpus, seq_len, batch_size, num_batches)
+
+  def train_iterator(start_step):
+    return packing.make_train_iterator(dcfg, scfg.tokens_per_step, seq_len_fn, start_step,
+                                       corpus=corpus, num_steps=scfg.total_steps)
+  _check_vocab(cfg, corpus.tokenizer)
+  filler = corpus.valid_tokens if corpus.valid_tokens.size else None
+  return Data(train_iterator, validation_batches, corpus.tokenizer, filler, bytes_per_token(corpus))
+
+
+def _check_vocab(cfg: config_lib.Config, tokenizer) -> None:
+  if tokenizer.vocab_size > cfg.model.vocab_size:
+    raise config_lib.ConfigError(
+        f"ModelConfig.vocab_size = {cfg.model.vocab_size} is not allowed: it must be at least the "
+        f"tokenizer's vocab_size {tokenizer.vocab_size} ({tokenizer!r})")
+
+
+def stage_ends(stages_cfg: config_lib.StagesConfig) -> list[int]:
+  """Global step counts at which each stage is complete."""
+  return [int(x) for x in np.cumsum([n for _, n in stages_cfg.stages])]
+
+
+def mesh_size(mesh_cfg: config_lib.MeshConfig) -> int:
+  """Devices one step runs on: the product of the mesh axis sizes (1 without a mesh)."""
+  if not mesh_cfg.axes:
+    return 1
+  return math.prod(int(p.partition(":")[2]) for p in mesh_cfg.axes.split(","))
+
+
+# ------------------------------------------------------------------------------------------------
+# The step
+# ------------------------------------------------------------------------------------------------
+
+def _sown_max_logits(attn_stats: PyTree) -> dict:
+  """{path of the MLA module: [H] max logits} from the QK_STATS_COLLECTION collection."""
+  out = {}
+  for path, value in jax.tree_util.tree_flatten_with_path(attn_stats)[0]:
+    names = optim.path_names(path)
+    if "max_logits" not in names:
+      continue
+    module = names[:names.index("max_logits")]
+    out[module] = jnp.max(jnp.asarray(value).reshape(-1, jnp.shape(value)[-1]), axis=0)
+  return out
+
+
+def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.GradientTransformation,
+                    schedule: optax.Schedule, *, state_shardings: Any = None,
+                    batch_shardings: Any = None) -> Callable:
+  """The jitted training step `(state, batch) -> (state, metrics)`.
+
+  Loss = mean token cross-entropy over loss_mask (fp32 logits), plus moe_aux_loss_coef x the sum
+  of the layers' aux losses when moe_balance == 'aux_loss'. The model runs with
+  update_balance=True; the balance biases it writes are kept when step % moe_qb_interval == 0.
+  With qk_clip_tau > 0, QK-Clip rescales MLA weights after the update from the sown max logits.
+
+  state_shardings / batch_shardings: passed to jax.jit as in/out shardings when given (the hook for
+  `k3jax/sharding.py`); None leaves placement to JAX (single device).
+  """
+  mcfg = cfg.model
+  use_aux = mcfg.moe_balance == "aux_loss"
+  qk_tau = cfg.optimizer.qk_clip_tau
+  mutable = ["moe_state", "moe_stats"] + ([QK_STATS_COLLECTION] if qk_tau > 0 else [])
+
+  def loss_fn(params, moe_state, batch):
+    logits, mutated = model.apply({"params": params, "moe_state": moe_state}, batch["inputs"],
+                                  batch["segment_ids"], update_balance=True, mutable=mutable)
+    ce_sum, n = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    ce = ce_sum / jnp.maximum(n, 1.0)
+    stats = mutated.get("moe_stats", {})
+    aux = jnp.zeros([], jnp.float32)
+    if use_aux:
+      for layer in moe_stats_by_layer(stats).values():
+        aux = aux + layer["aux_loss"].astype(jnp.float32)
+    return ce + mcfg.moe_aux_loss_coef * aux, (ce, aux, mutated)
+
+  def train_step(state: TrainState, batch: dict):
+    (total, (ce, aux, mutated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+        state.params, state.moe_state, batch)
+    updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    if qk_tau > 0:
+      max_logits = _sown_max_logits(mutated.get(QK_STATS_COLLECTION, {}))
+      if not max_logits:
+        raise ValueError("OptimizerConfig.qk_clip_tau > 0 but the model sows no per-head "
+                         f"'max_logits' into the {QK_STATS_COLLECTION!r} collection")
+      params = optim.apply_qk_clip(params, max_logits, qk_tau, mcfg)
+    keep = (state.step % mcfg.moe_qb_interval) == 0
+    new_moe = mutated.get("moe_state", state.moe_state)
+    moe_state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_moe, state.moe_state)
+    metrics = {"loss": ce, "total_loss": total, "aux_loss": aux,
+               "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),
+               "moe_stats": mutated.get("moe_stats", {})}
+    new_state = state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                              moe_state=moe_state)
+    return new_state, metrics
+
+  jit_kwargs = {}
+  if state_shardings is not None or batch_shardings is not None:
+    jit_kwargs = dict(in_shardings=(state_shardings, batch_shardings),
+                      out_shardings=(state_shardings, None))
+  return jax.jit(train_step, donate_argnums=(0,), **jit_kwargs)
+
+
+def init_train_state(cfg: config_lib.Config, total_steps: int
+                     ) -> tuple[TrainState, optax.GradientTransformation, optax.Schedule]:
+  """Fresh state (params, optimizer state, balance biases, rng) and the optimizer."""
+  init_rng, train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
+  boxed = init_variables(cfg.model, init_rng, 1, cfg.stages.stages[0][0])
+  axes = optim.logical_axes(boxed["params"])
+  params = optim.unbox(boxed["params"])
+  moe_state = optim.unbox(boxed.get("moe_state", {}))
+  optimizer, schedule = optim.make_optimizer(cfg.optimizer, total_steps, axes)
+  state = TrainState(step=jnp.zeros([], jnp.int32), params=params,
+                     opt_state=optimizer.init(params), moe_state=moe_state, rng=train_rng)
+  return state, optimizer, schedule
+
+
+# ------------------------------------------------------------------------------------------------
+# Signals
+# ------------------------------------------------------------------------------------------------
+
+class StopSignal:
+  """Context manager: SIGTERM/SIGINT set `signum` instead of killing the process (main thread
+  only); a second signal raises KeyboardInterrupt. The old handlers come back on exit."""
+
+  def __init__(self):
+    self.signum: Optional[int] = None
+    self._old = {}
+
+  def _handle(self, signum, frame):
+    del frame
+    if self.signum is not None:
+      raise KeyboardInterrupt(f"second signal {signum} while stopping")
+    self.signum = signum
+
+  def __enter__(self):
+    if threading.current_thread() is threading.main_thread():
+      for sig in (signal.SIGTERM, signal.SIGINT):
+        self._old[sig] = signal.signal(sig, self._handle)
+    return self
+
+  def __exit__(self, *exc):
+    for sig, old in self._old.items():
+      signal.signal(sig, old)
+    return False
+
+
+# ------------------------------------------------------------------------------------------------
+# The loop
+# ------------------------------------------------------------------------------------------------
+
+@dataclasses.dataclass
+class TrainResult:
+  step: int                            # global steps done
+  finished: bool                       # all stages done
+  stopped_by_signal: Optional[int] = None
+  eval: Optional[dict] = None          # the final evaluation (when finished in this call)
+
+
+def _train_record(step, stage, seq_len, batch_size, m, tokens_per_s, mfu) -> dict:
+  record = {"stage": stage, "seq_len": seq_len, "batch_size": batch_size,
+            "loss": float(m["loss"]), "total_loss": float(m["total_loss"]),
+            "aux_loss": float(m["aux_loss"]), "lr": float(m["lr"]),
+            "grad_norm": float(m["grad_norm"]), "tokens_per_s": tokens_per_s, "mfu": mfu}
+  vios = []
+  for name, layer in moe_stats_by_layer(m["moe_stats"]).items():
+    if "max_vio" in layer:
+      record[f"max_vio/{name}"] = float(layer["max_vio"])
+      vios.append(float(layer["max_vio"]))
+  if vios:
+    record["max_vio_mean"] = float(np.mean(vios))
+  return record
+
+
+def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = None,
+          peak_tflops: float = 0.0, progress: bool = True, tensorboard: bool = True
+          ) -> TrainResult:
+  """Trains (or resumes training) in `workdir` until all stages are done or `max_steps`.
+
+  Raises:
+    ConfigError: the data cannot be loaded (message names the setting).
+    NonFiniteLossError: a step's loss or gradient norm was not finite (that step is not saved).
+  """
+  os.makedirs(workdir, exist_ok=True)
+  scfg = cfg.stages
+  total_steps = scfg.total_steps
+  ends = stage_ends(scfg)
+  stop_at = total_steps if max_steps is None else min(total_steps, max_steps)
+  data = make_data(cfg)
+  model = K3Model(cfg.model)
+  state, optimizer, schedule = init_train_state(cfg, total_steps)
+  # Mesh: `cfg.mesh` is parsed and validated; k3jax/sharding.py will supply the state and batch
+  # shardings for make_train_step (and place `state` accordingly). Until then: one device.
+  train_step = make_train_step(cfg, model, optimizer, schedule)
+  evaluator = Evaluator(cfg, model, data)
+
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
+                                     keep_steps=ends)
+  start = ckpt.latest_step()
+  if start is not None:
+    restored = ckpt.restore(start, params=state.params, moe_state=state.moe_state,
+                            opt_state=state.opt_state, rng=state.rng)
+    if restored["meta"]["data_position"] != start:
+      raise ValueError(f"checkpoint {start}: data_position {restored['meta']['data_position']} "
+                       "!= step")
+    state = TrainState(step=jnp.asarray(start, jnp.int32), params=restored["params"],
+                       opt_state=restored["opt_state"], moe_state=restored["moe_state"],
+                       rng=restored["rng"])
+    print(f"resuming from step {start} (stage {scfg.stage_at(max(start - 1, 0))})")
+  write_config(workdir, cfg)
+  writer = metrics_lib.MetricsWriter(workdir, resume_step=start, tensorboard=tensorboard)
+  writer.write_text("config", "```\n" + config_to_gin(cfg) + "```")
+  start = start or 0
+
+  _, active_params = count_params(cfg.model)
+  peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops) * mesh_size(cfg.mesh)
+
+  def save(step):
+    stage = scfg.stage_at(step - 1)
+    ckpt.save(step, params=state.params, moe_state=state.moe_state, opt_state=state.opt_state,
+              rng=state.rng, meta={"stage": stage, "seq_len": scfg.stages[stage][0],
+                                   "data_position": step, "total_steps": total_steps})
+
+  result = TrainResult(step=start, finished=start >= total_steps)
+  last_loads, bar = None, None
+  try:
+    with StopSignal() as stop:
+      iterator = data.train_iterator(start)
+      bar = metrics_lib.ProgressBar(total_steps, start, enabled=progress)
+      throughput = metrics_lib.Throughput()
+      step = start
+      while step < stop_at and stop.signum is None:
+        stage = scfg.stage_at(step)
+        seq_len = scfg.stages[stage][0]
+        batch = next(iterator)
+        state, m = train_step(state, {k: jnp.asarray(batch[k]) for k in
+                                      ("inputs", "targets", "segment_ids", "loss_mask")})
+        m = jax.device_get(m)
+        step += 1
+        if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
+          raise NonFiniteLossError(
+              f"non-finite loss at step {step} (loss={float(m['loss'])}, grad_norm="
+              f"{float(m['grad_norm'])}); stopping without saving this state. Last good "
+              f"checkpoint: step {ckpt.latest_step()}")
+        throughput.add(scfg.tokens_per_step)
+        layers = moe_stats_by_layer(m["moe_stats"])
+        if layers and all("load" in v for v in layers.values()):
+          last_loads = (list(layers), np.stack([np.asarray(v["load"]) for v in layers.values()]))
+        at_end = step in ends
+        if step % cfg.eval.log_every_steps == 0 or at_end or step == stop_at:
+          rate = throughput.tick()
+          writer.write(step, "train", _train_record(
+              step, stage, seq_len, scfg.batch_size(stage), m, rate,
+              metrics_lib.mfu(active_params, rate, peak)))
+        bar.update(step, float(m["loss"]), stage, seq_len)
+        if at_end or step % cfg.checkpoint.every_steps == 0:
+          save(step)
+        if at_end or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
+          results = evaluator(state.params, state.moe_state, seq_len, seed=cfg.seed)
+          writer.write(step, "eval", dict(results, stage=stage))
+          bar.write(f"eval at step {step} (stage {stage}, seq_len {seq_len}):\n"
+                    + format_eval(results))
+          throughput.tick()  # evaluation time is not training throughput
+      if ckpt.latest_step() != step:  # --max_steps or a signal: keep where we stopped
+        save(step)
+      result.step = step
+      result.finished = step >= total_steps
+      result.stopped_by_signal = stop.signum
+  finally:
+    if bar is not None:
+      bar.close()
+    ckpt.wait()
+    ckpt.close()
+    writer.close()
+
+  if result.stopped_by_signal is not None:
+    print(f"stopped by signal {result.stopped_by_signal} after step {result.step}; checkpoint "
+          f"saved. Re-run the same command to resume.")
+  elif result.finished and result.step > start:
+    result.eval = finish(cfg, workdir, last_loads)
+  elif not result.finished:
+    print(f"stopped at step {result.step} of {total_steps} (--max_steps); re-run to resume.")
+  return result
+
+
+def finish(cfg: config_lib.Config, workdir: str, last_loads) -> dict:
+  """Writes DIR/eval.json and DIR/plots/*.png from metrics.jsonl; returns the final evaluation."""
+  records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  train_records = [r for r in records if r["kind"] == "train"]
+  eval_records = [r for r in records if r["kind"] == "eval"]
+  final = dict(eval_records[-1]) if eval_records else {}
+  stage_evals = [r for r in eval_records if r["step"] in stage_ends(cfg.stages)]
+  final_loads = {}
+  if last_loads is not None:
+    names, loads = last_loads
+    final_loads = {f"train_max_vio/{n}": max_violation(l) for n, l in zip(names, loads)}
+  report = {"final": final, "stages": stage_evals, "last_step_max_vio": final_loads}
+  with open(os.path.join(workdir, "eval.json"), "w") as f:
+    json.dump(report, f, indent=2)
+  passkey = {}
+  for r in stage_evals:
+    accs = {int(k.split("/")[1]): v for k, v in r.items()
+            if k.startswith("passkey/") and v is not None}
+    if accs:
+      passkey[int(r["seq_len"])] = accs
+  plots.make_all(os.path.join(workdir, "plots"), train_records, eval_records, cfg.stages.stages,
+                 None if last_loads is None else last_loads[1],
+                 [] if last_loads is None else last_loads[0], passkey)
+  print("final evaluation:\n" + format_eval(final))
+  return final
+
+
+# ------------------------------------------------------------------------------------------------
+# CLI
+# ------------------------------------------------------------------------------------------------
+
+def main(argv):
+  from absl import flags
+  if len(argv) > 1:
+    print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
+    sys.exit(2)
+  from absl import logging
+  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  FLAGS = flags.FLAGS
+  try:
+    cfg = config_from_flags(FLAGS.gin_file or [], FLAGS.gin_bindings or [], FLAGS.mesh)
+    if FLAGS.max_steps is not None and FLAGS.max_steps < 0:
+      raise config_lib.ConfigError(f"--max_steps = {FLAGS.max_steps} is not allowed: an integer >= 0")
+    result = train(cfg, FLAGS.workdir, max_steps=FLAGS.max_steps, peak_tflops=FLAGS.peak_tflops,
+                   progress=FLAGS.progress, tensorboard=FLAGS.tensorboard)
+  except config_lib.ConfigError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
+  except NonFiniteLossError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+  if result.stopped_by_signal is not None:
+    sys.exit(128 + result.stopped_by_signal)
+
+
+def define_flags():
+  from absl import flags
+  flags.DEFINE_multi_string("gin_file", [], "Gin config files, applied in order.")
+  flags.DEFINE_multi_string("gin_bindings", [], "Gin bindings applied after the files, e.g. "
+                            "'ModelConfig.d_model = 128'.")
+  flags.DEFINE_string("workdir", None, "Run directory (checkpoints, metrics, plots).",
+                      required=True)
+  flags.DEFINE_integer("max_steps", None, "Stop after this global step (with a checkpoint).")
+  flags.DEFINE_string("mesh", "", "Device mesh, e.g. 'data:2,expert:4' (sets MeshConfig.axes).")
+  flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for the MFU estimate "
+                     "(0: a default by backend).")
+  flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
+  flags.DEFINE_bool("tensorboard", True, "Write TensorBoard events to DIR/tb.")
+
+
+if __name__ == "__main__":
+  from absl import app
+  define_flags()
+  app.run(main)

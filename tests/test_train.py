@@ -1,0 +1,228 @@
+"""Tests of k3jax.train: staged training, exact resume, QB interval, aux loss, NaN stop, CLI, SIGTERM."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import config as config_lib
+from k3jax import metrics as metrics_lib
+from k3jax import train as train_lib
+from k3jax.checkpoint import Checkpointer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# A very small model (one KDA + one MLA layer, 4 experts) and two short stages of 64 tokens a step.
+TINY = [
+    "ModelConfig.vocab_size = 257", "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2",
+    "ModelConfig.mla_every = 2", "ModelConfig.kda_num_heads = 2", "ModelConfig.kda_head_dim = 16",
+    "ModelConfig.kda_value_dim = 16", "ModelConfig.kda_chunk_size = 16",
+    "ModelConfig.mla_num_heads = 2", "ModelConfig.mla_kv_lora_rank = 16",
+    "ModelConfig.mla_qk_nope_dim = 16", "ModelConfig.mla_qk_rope_dim = 8",
+    "ModelConfig.mla_v_dim = 16", "ModelConfig.dense_ffn_dim = 32",
+    "ModelConfig.moe_num_experts = 4", "ModelConfig.moe_top_k = 2", "ModelConfig.moe_latent_dim = 16",
+    "ModelConfig.moe_expert_dim = 16", "ModelConfig.moe_shared_dim = 16",
+    "StagesConfig.stages = ((16, 3), (32, 3))", "StagesConfig.tokens_per_step = 64",
+    "DataConfig.max_bytes = 200000", "CheckpointConfig.every_steps = 2",
+    "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = (8,)",
+    "EvalConfig.passkey_samples = 2", "EvalConfig.log_every_steps = 1",
+]
+
+
+def tiny_config(*extra: str) -> config_lib.Config:
+  return config_lib.from_gin([], TINY + list(extra))
+
+
+def _train_losses(workdir):
+  return {r["step"]: r["loss"] for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+          if r["kind"] == "train"}
+
+
+@pytest.fixture(scope="module")
+def full_run(tmp_path_factory):
+  """An uninterrupted run of both stages."""
+  workdir = str(tmp_path_factory.mktemp("full"))
+  result = train_lib.train(tiny_config(), workdir, progress=False)
+  return workdir, result
+
+
+@pytest.mark.slow
+def test_full_run_outputs(full_run):
+  workdir, result = full_run
+  assert result.finished and result.step == 6
+  records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  train = [r for r in records if r["kind"] == "train"]
+  assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+  assert [(r["stage"], r["seq_len"], r["batch_size"]) for r in train] == \
+      [(0, 16, 4)] * 3 + [(1, 32, 2)] * 3
+  for key in ("loss", "lr", "grad_norm", "tokens_per_s", "mfu", "max_vio/layer_1/moe"):
+    assert all(np.isfinite(r[key]) for r in train), key
+  # One cosine over all 6 steps (no warmup at 1% of 6 steps): lr decreases across the boundary.
+  lrs = [r["lr"] for r in train]
+  assert all(a > b for a, b in zip(lrs, lrs[1:]))
+  evals = [r for r in records if r["kind"] == "eval"]
+  assert [(r["step"], r["seq_len"]) for r in evals] == [(3, 16), (6, 32)]
+  assert set(evals[0]) >= {"val_loss", "val_bpb", "passkey/128", "val_max_vio/layer_1/moe"}
+  np.testing.assert_allclose(evals[1]["val_bpb"], evals[1]["val_loss"] / np.log(2))
+  with open(os.path.join(workdir, "eval.json")) as f:
+    report = json.load(f)
+  assert report["final"]["val_loss"] == evals[1]["val_loss"]
+  assert result.eval["val_loss"] == evals[1]["val_loss"]
+  for name in ("loss.png", "expert_load.png", "passkey.png"):
+    assert os.path.getsize(os.path.join(workdir, "plots", name)) > 1000
+  assert os.listdir(os.path.join(workdir, "tb"))
+  # The saved config rebuilds the run's config exactly.
+  assert config_lib.from_gin([os.path.join(workdir, "config.gin")]) == tiny_config()
+  # Checkpoints: keep_last=2 (steps 4 and 6) plus both stage ends (3 and 6).
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), tiny_config().checkpoint,
+                      read_only=True)
+  assert ckpt.all_steps() == [3, 4, 6]
+  ckpt.close()
+
+
+@pytest.mark.slow
+def test_resume_is_bit_exact(full_run, tmp_path):
+  """Stop mid-stage 2 (--max_steps=5), lose the last checkpoint as if killed before it was
+  written, resume: the losses equal those of the uninterrupted run exactly."""
+  full_dir, _ = full_run
+  workdir = str(tmp_path / "resumed")
+  cfg = tiny_config()
+  first = train_lib.train(cfg, workdir, max_steps=5, progress=False)
+  assert not first.finished and first.step == 5
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  assert sorted(int(d) for d in os.listdir(ckpt_dir) if d.isdigit()) == [3, 4, 5]
+  shutil.rmtree(os.path.join(ckpt_dir, "5"))
+  second = train_lib.train(cfg, workdir, progress=False)   # resumes from step 4
+  assert second.finished and second.step == 6
+  assert _train_losses(workdir) == _train_losses(full_dir)   # exact float equality
+  with open(os.path.join(workdir, "eval.json")) as f, \
+      open(os.path.join(full_dir, "eval.json")) as g:
+    assert json.load(f)["final"] == json.load(g)["final"]
+  # re-running a finished run does nothing
+  third = train_lib.train(cfg, workdir, progress=False)
+  assert third.finished and third.step == 6 and third.eval is None
+
+
+def _one_step_setup(*bindings):
+  cfg = tiny_config(*bindings)
+  state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
+  model = train_lib.K3Model(cfg.model)
+  data = train_lib.make_data(cfg)
+  step_fn = train_lib.make_train_step(cfg, model, optimizer, schedule)
+  it = data.train_iterator(0)
+  batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(3)]
+  return cfg, state, step_fn, batches
+
+
+def test_qb_bias_kept_only_every_interval():
+  cfg, state, step_fn, batches = _one_step_setup("ModelConfig.moe_qb_interval = 2")
+  bias = lambda s: np.asarray(s.moe_state["layer_1"]["moe"]["bias"])
+  b0 = bias(state)
+  state, _ = step_fn(state, batches[0])     # step 0: 0 % 2 == 0, kept
+  b1 = bias(state)
+  assert not np.array_equal(b0, b1)
+  state, _ = step_fn(state, batches[1])     # step 1: discarded
+  np.testing.assert_array_equal(bias(state), b1)
+  state, _ = step_fn(state, batches[2])     # step 2: kept
+  assert not np.array_equal(bias(state), b1)
+
+
+def test_aux_loss_is_added():
+  cfg, state, step_fn, batches = _one_step_setup("ModelConfig.moe_balance = 'aux_loss'",
+                                                 "ModelConfig.moe_aux_loss_coef = 0.5")
+  _, m = step_fn(state, batches[0])
+  assert float(m["aux_loss"]) > 0
+  np.testing.assert_allclose(float(m["total_loss"]),
+                             float(m["loss"]) + 0.5 * float(m["aux_loss"]), rtol=1e-6)
+
+
+def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+  real = train_lib.make_train_step
+
+  def poisoned(cfg, model, optimizer, schedule, **kw):
+    step_fn = real(cfg, model, optimizer, schedule, **kw)
+
+    def wrapped(state, batch):
+      bad = state.step >= 2   # the third step (global step 2) produces NaN
+      new_state, m = step_fn(state, batch)
+      m = dict(m, loss=jnp.where(bad, jnp.nan, m["loss"]))
+      return new_state, m
+    return wrapped
+
+  monkeypatch.setattr(train_lib, "make_train_step", poisoned)
+  workdir = str(tmp_path / "nan")
+  with pytest.raises(train_lib.NonFiniteLossError, match="non-finite loss at step 3"):
+    train_lib.train(tiny_config(), workdir, progress=False)
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), tiny_config().checkpoint,
+                      read_only=True)
+  assert ckpt.all_steps() == [2]      # step 3 (a stage end) was not saved
+  ckpt.close()
+
+
+def _cli(args, **kw):
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu",
+             JAX_DEFAULT_MATMUL_PRECISION="highest")
+  return subprocess.Popen([sys.executable, "-m", "k3jax.train", *args], cwd=REPO, env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
+
+
+@pytest.mark.parametrize("binding, name", [
+    ("ModelConfig.d_modle = 3", "d_modle"),
+    ("OptimizerConfig.name = 'sgd'", "OptimizerConfig.name"),
+    ("StagesConfig.tokens_per_step = 100", "StagesConfig.tokens_per_step"),
+])
+def test_cli_bad_setting_fails_at_start(tmp_path, binding, name):
+  proc = _cli([f"--gin_bindings={binding}", f"--workdir={tmp_path}"])
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 2, (out, err)
+  assert name in err
+  assert "Traceback" not in err
+
+
+def test_cli_rejects_bad_mesh(tmp_path):
+  proc = _cli(["--mesh=model:2", f"--workdir={tmp_path}"])
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode == 2 and "MeshConfig.axes" in err and "Traceback" not in err
+
+
+@pytest.mark.slow
+def test_cli_sigterm_saves_and_resumes(tmp_path):
+  """SIGTERM mid-run: the running step finishes, is checkpointed, exit code 143; re-running the
+  same command continues from there."""
+  workdir = str(tmp_path / "run")
+  args = [f"--gin_bindings={b}" for b in TINY + ["StagesConfig.stages = ((16, 400),)",
+                                                 "CheckpointConfig.every_steps = 1000"]]
+  args += [f"--workdir={workdir}", "--noprogress"]
+  proc = _cli(args)
+  metrics = os.path.join(workdir, "metrics.jsonl")
+  deadline = time.time() + 400
+  while time.time() < deadline and len(metrics_lib.read_jsonl(metrics)) < 3:
+    assert proc.poll() is None, proc.communicate()
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  out, err = proc.communicate(timeout=300)
+  assert proc.returncode == 128 + signal.SIGTERM, (out, err)
+  assert "stopped by signal" in out
+  last = max(r["step"] for r in metrics_lib.read_jsonl(metrics))
+  assert 3 <= last < 400
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), tiny_config().checkpoint,
+                      read_only=True)
+  assert ckpt.latest_step() == last
+  ckpt.close()
+  # resume for a few steps
+  proc = _cli(args + [f"--max_steps={last + 2}"])
+  out, err = proc.communicate(timeout=400)
+  assert proc.returncode == 0, (out, err)
+  assert f"resuming from step {last}" in out
+  steps = [r["step"] for r in metrics_lib.read_jsonl(metrics) if r["kind"] == "train"]
+  assert steps == list(range(1, last + 3))
