@@ -1,0 +1,81 @@
+"""SiTU-GLU: closed-form properties and the layer against a numpy computation of the formula."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.config import ModelConfig
+from k3jax.layers.ffn import SiTUGLU, situ, situ_glu, softcap
+
+
+def _np_situ_glu(a, b, beta1=4.0, beta2=25.0):
+  a = np.asarray(a, np.float64)
+  b = np.asarray(b, np.float64)
+  return beta1 * np.tanh(a / beta1) / (1 + np.exp(-a)) * beta2 * np.tanh(b / beta2)
+
+
+def test_bounded_by_beta1_beta2_for_huge_inputs():
+  rng = np.random.default_rng(0)
+  gate = jnp.asarray(rng.normal(0, 1e4, (4096,)), jnp.float32)
+  up = jnp.asarray(rng.normal(0, 1e4, (4096,)), jnp.float32)
+  h = situ_glu(gate, up, 4.0, 25.0)
+  assert bool(jnp.all(jnp.isfinite(h)))
+  assert float(jnp.max(jnp.abs(h))) <= 100.0
+  # The bound is tight: large positive gate and large |up| approach ±100.
+  corner = situ_glu(jnp.array([1e4, 1e4]), jnp.array([1e4, -1e4]))
+  np.testing.assert_allclose(np.asarray(corner), [100.0, -100.0], rtol=1e-6)
+  # Large negative gates switch the unit off.
+  assert abs(float(situ(jnp.array(-1e4)))) < 1e-30
+
+
+def test_equals_swiglu_near_zero():
+  rng = np.random.default_rng(1)
+  a = rng.uniform(-0.1, 0.1, (1000,)).astype(np.float32)
+  b = rng.uniform(-0.1, 0.1, (1000,)).astype(np.float32)
+  h = np.asarray(situ_glu(jnp.asarray(a), jnp.asarray(b)), np.float64)
+  swiglu = a / (1 + np.exp(-a.astype(np.float64))) * b
+  rel = np.abs(h - swiglu) / np.maximum(np.abs(swiglu), 1e-12)
+  # tanh(x/β)·β = x(1 − x²/3β² + …): relative error ≲ a²/48 + b²/1875 ≈ 2e-4 here.
+  assert rel.max() < 5e-4, rel.max()
+  # and the formula itself, in fp32, against float64
+  np.testing.assert_allclose(h, _np_situ_glu(a, b), rtol=1e-5, atol=1e-9)
+
+
+def test_softcap_and_situ_closed_forms():
+  x = jnp.array([-50.0, -1.0, 0.0, 0.5, 30.0])
+  np.testing.assert_allclose(np.asarray(softcap(x, 25.0)), 25 * np.tanh(np.asarray(x) / 25),
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(situ(x, 4.0)),
+                             4 * np.tanh(np.asarray(x) / 4) / (1 + np.exp(-np.asarray(x))),
+                             rtol=1e-6, atol=1e-12)
+
+
+def test_situ_glu_rejects_bad_input():
+  with pytest.raises(ValueError, match="gate shape"):
+    situ_glu(jnp.zeros((2, 3)), jnp.zeros((2, 4)))
+  with pytest.raises(ValueError, match="beta1"):
+    situ_glu(jnp.zeros(3), jnp.zeros(3), beta1=0.0)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_layer_matches_numpy(dtype):
+  cfg = dataclasses.replace(ModelConfig(), dtype=dtype, init_std=0.3, situ_beta1=3.0,
+                            situ_beta2=7.0)
+  layer = SiTUGLU(cfg, hidden_dim=24)
+  x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 16)), jnp.float32)
+  # An rbg key: the default threefry PRNG is slow to compile on CPU.
+  params = nn.unbox(jax.jit(layer.init)(jax.random.key(1, impl="rbg"), x)["params"])
+  y = layer.apply({"params": params}, x)
+  assert y.shape == (2, 5, 16) and y.dtype == jnp.dtype(dtype)
+  xn = np.asarray(x, np.float64)
+  wg, wu, wo = (np.asarray(params[n]["kernel"], np.float64) for n in ("gate", "up", "out"))
+  ref = _np_situ_glu(xn @ wg, xn @ wu, 3.0, 7.0) @ wo
+  tol = 1e-5 if dtype == "float32" else 5e-2
+  np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=tol, atol=tol)
+  assert params["gate"]["kernel"].shape == (16, 24) and params["out"]["kernel"].shape == (24, 16)
