@@ -1,0 +1,355 @@
+"""Expert parallelism (EP) for the routed experts, and Quantile Balancing from global histograms.
+
+Layout. Tokens are sharded over the mesh's batch axes ('data', 'expert'); the routed-expert weights
+[E, ...] are sharded over 'expert' (each of the n = |expert| devices holds E_loc = E/n consecutive
+experts, expert e on device e // E_loc) and replicated over 'data'. Every 'data' row of the mesh is
+an independent EP group. Inside one `jax.shard_map`, each device:
+
+  1. flattens its N_loc·k assignments, stable-sorts them by destination device and packs them into a
+     send buffer [n, C, ℓ] (plus each row's local expert id; the sentinel E_loc marks an empty
+     slot);
+  2. `all_to_all` over 'expert': row block s of the receive buffer is what device s sent here;
+  3. stable-sorts the n·C received rows by local expert and runs the SiTU-GLU experts as three
+     `jax.lax.ragged_dot`s with the per-expert group sizes (empty slots sort last and are zeroed);
+  4. unsorts, `all_to_all`s the results back to the senders (in z.dtype) and combines them with the
+     router weights in fp32, exactly like `k3jax.ops.moe.routed_experts`.
+
+Buffer capacity C (rows per (source, destination) pair), all shapes static:
+  * dropless, capacity_factor == 0: C = N_loc·min(k, E_loc), the most one device can ever send to
+    another (a token's k experts are distinct, at most min(k, E_loc) of them live on one device).
+    Exact: the result equals the single-device dropless path. Memory is n·C rows per device, up to n
+    times the balanced amount.
+  * capacity_factor > 0: C = ceil(capacity_factor·N_loc·k/n) (capped at the dropless C). Assignments
+    beyond C for one destination are dropped (they add zero; the token's other experts keep their
+    weights), the *latest* tokens of the sending shard first, since the sort is stable. The count is
+    reported in stats['dropped']. With Quantile Balancing every expert gets ≈ m·k/E assignments
+    per batch, so each (source, destination) pair sees ≈ N_loc·k/n and factor 1.25 leaves drops
+    ≈ 0 while keeping the buffers 1.25× the balanced size. Note the capacity is per device pair,
+    not per expert as in the single-device capacity path, so drops differ between the two.
+
+The return trip carries z.dtype (bf16 in training: half the traffic of fp32); in fp32 the result
+matches the single-device path to rounding.
+A `ragged_all_to_all` variant (MaxText) would send only the occupied rows; the padded all_to_all is
+used here because it runs on every backend, including the 8 fake CPU devices of the tests.
+
+`routed_experts_auto` is the entry point for layers: the EP path when the current mesh (set by
+`k3jax.sharding.with_mesh`) has an 'expert' axis > 1, the single-device `routed_experts` otherwise.
+
+`quantile_balance_update_histogram` is the communication-light QB update for sharded tokens: each
+device bins its margins per expert, the [E, bins] histograms are all-reduced, and the per-expert
+quantile is read from the summed histogram (error ≤ half a bin of that expert's margin range).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import Mesh, PartitionSpec as P
+
+from k3jax.ops.moe import RaggedDotFn, _check_shapes, routed_experts, situ_glu
+from k3jax.sharding import BATCH_AXES
+
+EXPERT_AXIS = "expert"
+
+try:  # jax >= 0.7: jax.shard_map with check_vma.
+  _shard_map_impl = jax.shard_map
+
+  def _shard_map(f, mesh, in_specs, out_specs):
+    return _shard_map_impl(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_vma=True)
+except AttributeError:  # older jax: the experimental API with check_rep.
+  from jax.experimental.shard_map import shard_map as _shard_map_impl  # type: ignore
+
+  def _shard_map(f, mesh, in_specs, out_specs):
+    if mesh is None:
+      raise ValueError("this jax version needs an explicit mesh for expert parallelism; pass mesh=")
+    return _shard_map_impl(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, check_rep=True)
+
+
+def _current_mesh(mesh: Optional[Mesh]):
+  """The mesh to use: `mesh` if given, else the context mesh (None when there is none)."""
+  if mesh is not None:
+    return mesh
+  abstract = jax.sharding.get_abstract_mesh()
+  return None if abstract.empty else abstract
+
+
+def _axis_sizes(mesh) -> dict:
+  return dict(zip(mesh.axis_names, mesh.axis_sizes)) if hasattr(mesh, "axis_sizes") else \
+      dict(mesh.shape)
+
+
+def ep_capacity(tokens_per_device: int, top_k: int, num_experts: int, num_ep: int,
+                capacity_factor: float) -> int:
+  """Rows C of each (source, destination) buffer; see the module docstring."""
+  local_experts = num_experts // num_ep
+  dropless = tokens_per_device * min(top_k, local_experts)
+  if capacity_factor == 0:
+    return dropless
+  if capacity_factor < 0:
+    raise ValueError(f"ep_capacity: capacity_factor={capacity_factor} must be >= 0 (0 = dropless)")
+  return min(dropless, int(math.ceil(capacity_factor * tokens_per_device * top_k / num_ep)))
+
+
+def _local_ep(z, expert_idx, expert_weight, valid, w_gate, w_up, w_out, *, num_experts: int,
+              num_ep: int, capacity: int, beta1: float, beta2: float,
+              ragged_dot_fn: RaggedDotFn, reduce_axes: tuple):
+  """Per-device body of the EP shard_map (shapes are the device-local ones)."""
+  n_loc, latent = z.shape
+  k = expert_idx.shape[1]
+  local_experts = w_gate.shape[0]
+  num_assign = n_loc * k
+  dtype = z.dtype
+
+  flat_expert = expert_idx.reshape(num_assign).astype(jnp.int32)
+  token_of = jnp.arange(num_assign, dtype=jnp.int32) // k
+  valid_assign = jnp.repeat(valid, k)
+  dest = flat_expert // local_experts
+  local_id = flat_expert % local_experts
+  # Invalid assignments get the sentinel destination n: they sort last and are never sent.
+  dest_key = jnp.where(valid_assign, dest, num_ep)
+  order = jnp.argsort(dest_key, stable=True)
+  sorted_dest = dest_key[order]
+  per_dest = jnp.zeros((num_ep + 1,), jnp.int32).at[dest_key].add(1)[:num_ep]
+  starts = jnp.cumsum(per_dest) - per_dest
+  starts_ext = jnp.concatenate([starts, jnp.zeros((1,), jnp.int32)])
+  rank = jnp.arange(num_assign, dtype=jnp.int32) - starts_ext[sorted_dest]
+  routed = sorted_dest < num_ep
+  kept = routed & (rank < capacity)
+
+  # Pack [n, C] send buffers by gathering from the sorted assignments.
+  slot = jnp.arange(capacity, dtype=jnp.int32)
+  src = jnp.clip(starts[:, None] + slot[None, :], 0, num_assign - 1)          # [n, C]
+  filled = slot[None, :] < jnp.minimum(per_dest, capacity)[:, None]
+  sorted_token = token_of[order]
+  x_send = jnp.where(filled[..., None], z[sorted_token[src]], 0).astype(dtype)   # [n, C, ℓ]
+  id_send = jnp.where(filled, local_id[order][src], local_experts)              # [n, C]
+
+  x_recv = jax.lax.all_to_all(x_send, EXPERT_AXIS, 0, 0)
+  id_recv = jax.lax.all_to_all(id_send, EXPERT_AXIS, 0, 0)
+
+  rows = num_ep * capacity
+  recv_key = id_recv.reshape(rows)
+  recv_order = jnp.argsort(recv_key, stable=True)
+  group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[recv_key].add(1)[:local_experts]
+  xs = x_recv.reshape(rows, latent)[recv_order]
+  w_gate, w_up, w_out = (w.astype(dtype) for w in (w_gate, w_up, w_out))
+  gate = ragged_dot_fn(xs, w_gate, group_sizes, preferred_element_type=jnp.float32)
+  up = ragged_dot_fn(xs, w_up, group_sizes, preferred_element_type=jnp.float32)
+  h = situ_glu(gate, up, beta1, beta2).astype(dtype)
+  ys = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
+  # Rows past the last group (empty slots) are not defined by every backend: zero them.
+  ys = jnp.where((recv_key[recv_order] < local_experts)[:, None], ys, 0.0).astype(dtype)
+  recv_inverse = jnp.zeros((rows,), jnp.int32).at[recv_order].set(
+      jnp.arange(rows, dtype=jnp.int32))
+  y_recv = ys[recv_inverse].reshape(num_ep, capacity, latent)
+
+  y_back = jax.lax.all_to_all(y_recv, EXPERT_AXIS, 0, 0)                      # [n, C, ℓ]
+  d_safe = jnp.minimum(sorted_dest, num_ep - 1)
+  r_safe = jnp.clip(rank, 0, capacity - 1)
+  y_sorted = jnp.where(kept[:, None], y_back[d_safe, r_safe].astype(jnp.float32), 0.0)
+  inverse = jnp.zeros((num_assign,), jnp.int32).at[order].set(
+      jnp.arange(num_assign, dtype=jnp.int32))
+  y_assign = y_sorted[inverse].reshape(n_loc, k, latent)
+  y = jnp.einsum("nkl,nk->nl", y_assign, expert_weight.astype(jnp.float32)).astype(dtype)
+
+  load = jnp.zeros((num_experts,), jnp.float32).at[flat_expert].add(
+      valid_assign.astype(jnp.float32))
+  dropped = jnp.sum(routed & ~kept).astype(jnp.int32)
+  return y, jax.lax.psum(load, reduce_axes), jax.lax.psum(dropped, reduce_axes)
+
+
+def routed_experts_ep(
+    z: jax.Array,
+    expert_idx: jax.Array,
+    expert_weight: jax.Array,
+    w_gate: jax.Array,
+    w_up: jax.Array,
+    w_out: jax.Array,
+    *,
+    beta1: float,
+    beta2: float,
+    capacity_factor: float = 0.0,
+    valid: Optional[jax.Array] = None,
+    mesh: Optional[Mesh] = None,
+    ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot,
+) -> tuple[jax.Array, dict]:
+  """`k3jax.ops.moe.routed_experts` with the experts sharded over the mesh's 'expert' axis.
+
+  Args:
+    z, expert_idx, expert_weight, w_gate, w_up, w_out, beta1, beta2, valid, ragged_dot_fn: as in
+      `routed_experts` (global shapes: z [N, ℓ], expert_idx/expert_weight [N, k], w_* [E, ...]).
+    capacity_factor: 0 for dropless; > 0 for per-(source, destination) buffers of
+      ceil(capacity_factor·(N/devices)·k/n_expert) rows (module docstring).
+    mesh: a mesh with axes ('data', 'expert'); default the current mesh (`jax.set_mesh`).
+  Returns:
+    y [N, ℓ] in z.dtype, sharded like z; stats {'load': [E] fp32 (all devices, before drops),
+    'dropped': int32 scalar (all devices)}.
+  Raises:
+    ValueError: no mesh, a mesh without the ('data', 'expert') axes, E not divisible by the expert
+      axis, or N not divisible by the number of devices of the batch axes.
+  """
+  _check_shapes(z, expert_idx, expert_weight, w_gate, w_up, w_out, valid)
+  mesh = _current_mesh(mesh)
+  if mesh is None:
+    raise ValueError("routed_experts_ep: no mesh; pass mesh= or call inside "
+                     "k3jax.sharding.with_mesh(mesh)")
+  sizes = _axis_sizes(mesh)
+  if any(a not in sizes for a in BATCH_AXES):
+    raise ValueError(f"routed_experts_ep: mesh axes {tuple(sizes)} must include {BATCH_AXES}")
+  num_ep = sizes[EXPERT_AXIS]
+  devices = math.prod(sizes[a] for a in BATCH_AXES)
+  n = z.shape[0]
+  k = expert_idx.shape[1]
+  num_experts = w_gate.shape[0]
+  if num_experts % num_ep:
+    raise ValueError(f"routed_experts_ep: {num_experts} experts cannot be split over the "
+                     f"'expert' mesh axis of size {num_ep}; it must divide moe_num_experts")
+  if n % devices:
+    raise ValueError(f"routed_experts_ep: {n} tokens cannot be split over the {devices} devices "
+                     f"of the batch axes {BATCH_AXES}; batch·length must be a multiple of it")
+  capacity = ep_capacity(n // devices, k, num_experts, num_ep, capacity_factor)
+  if valid is None:
+    valid = jnp.ones((n,), bool)
+
+  body = lambda *a: _local_ep(*a, num_experts=num_experts, num_ep=num_ep, capacity=capacity,
+                              beta1=beta1, beta2=beta2, ragged_dot_fn=ragged_dot_fn,
+                              reduce_axes=BATCH_AXES)
+  tok = P(BATCH_AXES)
+  expert_w = P(EXPERT_AXIS)
+  y, load, dropped = _shard_map(
+      body, mesh, in_specs=(tok, tok, tok, tok, expert_w, expert_w, expert_w),
+      out_specs=(tok, P(), P()))(z, expert_idx, expert_weight, valid.astype(bool), w_gate, w_up,
+                                  w_out)
+  return y, {"load": load, "dropped": dropped}
+
+
+def expert_parallel_size(mesh: Optional[Mesh] = None) -> int:
+  """Size of the 'expert' axis of `mesh` (default: the current mesh); 1 without a mesh."""
+  mesh = _current_mesh(mesh)
+  if mesh is None:
+    return 1
+  return int(_axis_sizes(mesh).get(EXPERT_AXIS, 1))
+
+
+def routed_experts_auto(z: jax.Array, expert_idx: jax.Array, expert_weight: jax.Array,
+                        w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, *, beta1: float,
+                        beta2: float, capacity_factor: float = 0.0,
+                        valid: Optional[jax.Array] = None,
+                        ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot) -> tuple[jax.Array, dict]:
+  """`routed_experts` with the signature unchanged: EP when the current mesh has 'expert' > 1.
+
+  Without a mesh, or with expert axis 1 (pure data parallelism, where XLA partitions the
+  single-device code), this is `k3jax.ops.moe.routed_experts`. Capacity semantics differ between the
+  two paths (per expert vs per device pair); dropless results are identical.
+  """
+  kwargs = dict(beta1=beta1, beta2=beta2, capacity_factor=capacity_factor, valid=valid,
+                ragged_dot_fn=ragged_dot_fn)
+  if expert_parallel_size() > 1:
+    return routed_experts_ep(z, expert_idx, expert_weight, w_gate, w_up, w_out, **kwargs)
+  return routed_experts(z, expert_idx, expert_weight, w_gate, w_up, w_out, **kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Quantile Balancing from all-reduced histograms
+
+
+def _reduce(x, op: str, axis_name):
+  if axis_name is None:
+    return x
+  return {"sum": jax.lax.psum, "min": jax.lax.pmin, "max": jax.lax.pmax}[op](x, axis_name)
+
+
+def histogram_quantile_thresholds(scores: jax.Array, bias: jax.Array, top_k: int,
+                                  mask: Optional[jax.Array] = None, axis_name=None,
+                                  bins: int = 1024) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Per-expert QB thresholds t_j from histograms of the margins (see `quantile_balance_update`).
+
+  Margins M_ij = s_ij + b_j − c_i (c_i = the (k+1)-th largest biased score of token i), valid tokens
+  only. Per expert j the range [min_j M, max_j M] over all devices (pmin/pmax of [E]) is cut into
+  `bins` equal bins, each device counts its margins per bin, and the [E, bins] counts are psum'd.
+  The (r)-th largest margin lies in the bin where the count from the top first reaches r; its value
+  is taken as that bin's midpoint, so the error is ≤ half a bin width. The fractional rank q+1
+  (q = m·k/E) is interpolated between ranks ⌊q⌋+1 and ⌊q⌋+2 exactly as the sort-based update does.
+
+  Args:
+    scores: [tokens, E] router scores (local shard when axis_name is given).
+    bias: [E] current bias (replicated).
+    top_k: k.
+    mask: optional [tokens] bool, False for padding.
+    axis_name: mesh axis name(s) the tokens are sharded over inside `shard_map`, or None when
+      `scores` holds every token (under jit with sharded inputs XLA reduces the histograms itself).
+    bins: histogram bins per expert.
+  Returns:
+    (thresholds [E] fp32, bin widths [E] fp32, number of valid tokens fp32 scalar).
+  """
+  fn = "quantile_balance_update_histogram"
+  if scores.ndim != 2:
+    raise ValueError(f"{fn}: scores must be [tokens, experts], got shape {scores.shape}")
+  rows, n = scores.shape
+  if bias.shape != (n,):
+    raise ValueError(f"{fn}: bias must be [experts={n}], got shape {bias.shape}")
+  if not (isinstance(top_k, numbers.Integral) and 1 <= top_k < n):
+    raise ValueError(f"{fn}: top_k={top_k!r} must be an integer in [1, experts={n})")
+  if not (isinstance(bins, numbers.Integral) and bins >= 2):
+    raise ValueError(f"{fn}: bins={bins!r} must be an integer >= 2")
+  if mask is not None and mask.shape != (rows,):
+    raise ValueError(f"{fn}: mask must be [tokens={rows}] bool, got shape {mask.shape}")
+  valid = jnp.ones((rows,), bool) if mask is None else mask.astype(bool)
+
+  b = bias.astype(jnp.float32)
+  biased = scores.astype(jnp.float32) + b
+  cutoff = jax.lax.top_k(biased, top_k + 1)[0][:, top_k]
+  margin = biased - cutoff[:, None]                                           # [tokens, E]
+  lo = _reduce(jnp.min(jnp.where(valid[:, None], margin, jnp.inf), axis=0), "min", axis_name)
+  hi = _reduce(jnp.max(jnp.where(valid[:, None], margin, -jnp.inf), axis=0), "max", axis_name)
+  num_valid = _reduce(jnp.sum(valid).astype(jnp.float32), "sum", axis_name)
+  any_valid = num_valid > 0
+  lo = jnp.where(any_valid, lo, 0.0)
+  hi = jnp.where(any_valid, hi, 0.0)
+  # A column whose margins are all equal gets a tiny positive width; every margin lands in bin 0.
+  width = jnp.maximum((hi - lo) / bins, jnp.finfo(jnp.float32).tiny)
+  index = jnp.clip(jnp.floor((margin - lo) / width), 0, bins - 1).astype(jnp.int32)
+  flat = (jnp.arange(n, dtype=jnp.int32)[None, :] * bins + index).reshape(-1)
+  counts = jnp.zeros((n * bins,), jnp.float32).at[flat].add(
+      jnp.repeat(valid.astype(jnp.float32), n)).reshape(n, bins)
+  counts = _reduce(counts, "sum", axis_name)
+  from_top = jnp.cumsum(counts[:, ::-1], axis=1)[:, ::-1]          # margins in bins >= b
+
+  q = num_valid * top_k / n
+  last = jnp.maximum(num_valid - 1, 0)
+  rank_lo = jnp.minimum(jnp.floor(q), last)                                   # 0-based ranks
+  rank_hi = jnp.minimum(rank_lo + 1, last)
+  frac = q - jnp.floor(q)
+
+  def value_at(rank0):
+    # Bin of the (rank0+1)-th largest: the last bin whose count-from-top is >= rank0+1.
+    b_idx = jnp.sum(from_top >= rank0 + 1, axis=1) - 1
+    return lo + (jnp.clip(b_idx, 0, bins - 1).astype(jnp.float32) + 0.5) * width
+
+  t_lo, t_hi = value_at(rank_lo), value_at(rank_hi)
+  return t_lo + frac * (t_hi - t_lo), width, num_valid
+
+
+def quantile_balance_update_histogram(scores: jax.Array, bias: jax.Array, top_k: int,
+                                      mask: Optional[jax.Array] = None, axis_name=None,
+                                      bins: int = 1024, rate: float = 1.0) -> jax.Array:
+  """`k3jax.layers.moe.quantile_balance_update` from all-reduced per-expert margin histograms.
+
+  Same contract (new centred bias [E] fp32, unchanged when no token is valid), plus `axis_name`
+  and `bins` (see `histogram_quantile_thresholds`). Each threshold is within half a bin width of
+  the exact one, so every entry of the new bias is within one (largest) bin width of the exact
+  update (the centring can add the mean error). Communication: two [E] min/max reductions and one
+  [E, bins] sum, independent of the token count.
+  """
+  if isinstance(rate, numbers.Real) and not 0.0 < rate <= 1.0:
+    raise ValueError(f"quantile_balance_update_histogram: rate={rate} must be in (0, 1]")
+  threshold, _, num_valid = histogram_quantile_thresholds(scores, bias, top_k, mask, axis_name,
+                                                          bins)
+  b = bias.astype(jnp.float32)
+  new_bias = b - rate * threshold
+  new_bias = new_bias - jnp.mean(new_bias)
+  return jnp.where(num_valid > 0, new_bias, b)

@@ -1,0 +1,226 @@
+"""Expert parallelism and histogram Quantile Balancing on 8 CPU devices (tests/conftest.py)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from k3jax import sharding
+from k3jax.layers.moe import quantile_balance_update
+from k3jax.ops import moe_ep
+from k3jax.ops.moe import routed_experts
+
+BETAS = dict(beta1=4.0, beta2=25.0)
+N, LATENT, HIDDEN, E, K = 64, 16, 24, 8, 2
+
+
+def _error_ratio(a, b) -> float:
+  """RMS(a − b) / RMS(b) in float64 (fla's metric, as in the other tests); NaN anywhere fails."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  denom = np.sqrt(np.mean(b * b))
+  num = np.sqrt(np.mean((a - b) ** 2))
+  return float(num / denom) if denom > 0 else float(num)
+
+
+def _problem(seed=0, n=N, skew=0.0, valid_frac=0.8):
+  """Random tokens, top-k routing and expert weights (numpy, so that no test compiles for it)."""
+  rng = np.random.default_rng(seed)
+  z = rng.standard_normal((n, LATENT)).astype(np.float32)
+  # skew > 0 favours low expert ids, so that some (source, destination) pairs overflow.
+  scores = 1 / (1 + np.exp(-(rng.standard_normal((n, E)) - skew * np.arange(E))))
+  idx = np.argsort(-scores, axis=1, kind="stable")[:, :K].astype(np.int32)
+  w = np.take_along_axis(scores, idx, axis=1)
+  w = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
+  w_gate, w_up = (0.3 * rng.standard_normal((2, E, LATENT, HIDDEN))).astype(np.float32)
+  w_out = (0.3 * rng.standard_normal((E, HIDDEN, LATENT))).astype(np.float32)
+  valid = rng.random(n) < valid_frac
+  return z, idx, w, w_gate, w_up, w_out, valid
+
+
+@pytest.mark.parametrize("spec", ["expert:8", "data:2,expert:4"])
+def test_ep_dropless_matches_single_device(spec):
+  z, idx, w, wg, wu, wo, valid = _problem()
+  mesh = sharding.make_mesh(spec)
+
+  def loss(fn, z, w, wg, wu, wo):
+    y, stats = fn(z, idx, w, wg, wu, wo, valid=valid, **BETAS)
+    return jnp.sum(jnp.sin(y)), (y, stats)
+
+  ep = lambda *a, **kw: moe_ep.routed_experts_ep(*a, mesh=mesh, **kw)
+  grad = lambda fn: jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2, 3, 4),
+                                               has_aux=True))
+  (_, (y_ref, st_ref)), g_ref = grad(routed_experts)(z, w, wg, wu, wo)
+  (_, (y_ep, st_ep)), g_ep = grad(ep)(z, w, wg, wu, wo)
+  assert _error_ratio(y_ep, y_ref) <= 1e-5
+  for a, b in zip(g_ep, g_ref):
+    assert _error_ratio(a, b) <= 1e-5
+  np.testing.assert_array_equal(st_ep["load"], st_ref["load"])
+  assert int(st_ep["dropped"]) == 0
+  # Padding rows produce zero.
+  assert np.all(np.asarray(y_ep)[~np.asarray(valid)] == 0)
+
+
+def _capacity_reference(z, idx, w, wg, wu, wo, valid, devices, num_ep, capacity):
+  """Independent numpy model of the EP drop policy: per sending shard and destination device,
+  the first `capacity` valid assignments in (token, slot) order are kept."""
+  z, idx, w, wg, wu, wo, valid = (np.asarray(a, np.float64) if a.dtype.kind == "f" else
+                                  np.asarray(a) for a in (z, idx, w, wg, wu, wo, valid))
+  n = z.shape[0]
+  n_loc = n // devices
+  local = E // num_ep
+  y = np.zeros_like(z)
+  dropped = 0
+  for shard in range(devices):
+    used = np.zeros(num_ep, int)
+    for i in range(shard * n_loc, (shard + 1) * n_loc):
+      if not valid[i]:
+        continue
+      for j in range(K):
+        e = idx[i, j]
+        d = e // local
+        used[d] += 1
+        if used[d] > capacity:
+          dropped += 1
+          continue
+        gate, up = z[i] @ wg[e], z[i] @ wu[e]
+        b1, b2 = BETAS["beta1"], BETAS["beta2"]
+        h = b1 * np.tanh(gate / b1) / (1 + np.exp(-gate)) * b2 * np.tanh(up / b2)
+        y[i] += w[i, j] * (h @ wo[e])
+  return y, dropped
+
+
+@pytest.mark.parametrize("spec,factor", [("expert:8", 1.0), ("data:2,expert:4", 1.25)])
+def test_ep_capacity_drops_and_output(spec, factor):
+  z, idx, w, wg, wu, wo, valid = _problem(seed=1, skew=0.4, valid_frac=0.9)
+  mesh = sharding.make_mesh(spec)
+  num_ep = sharding.axis_size(mesh, "expert")
+  capacity = moe_ep.ep_capacity(N // 8, K, E, num_ep, factor)
+  assert capacity == min(math.ceil(factor * (N // 8) * K / num_ep), (N // 8) * min(K, E // num_ep))
+  y, stats = jax.jit(lambda *a: moe_ep.routed_experts_ep(
+      *a, valid=valid, capacity_factor=factor, mesh=mesh, **BETAS))(z, idx, w, wg, wu, wo)
+  y_ref, dropped_ref = _capacity_reference(z, idx, w, wg, wu, wo, valid, 8, num_ep, capacity)
+  assert dropped_ref > 0, "the skewed routing must overflow some buffers for this test to bite"
+  assert int(stats["dropped"]) == dropped_ref
+  assert _error_ratio(y, y_ref) <= 1e-5
+  # The load counts every valid assignment, dropped or not.
+  load_ref = np.bincount(np.asarray(idx)[np.asarray(valid)].reshape(-1), minlength=E)
+  np.testing.assert_array_equal(stats["load"], load_ref)
+
+
+def test_routed_experts_auto_dispatch(monkeypatch):
+  z, idx, w, wg, wu, wo, valid = _problem(seed=2)
+  calls = []
+  real = moe_ep.routed_experts_ep
+  monkeypatch.setattr(moe_ep, "routed_experts_ep",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
+  f = jax.jit(lambda *a: moe_ep.routed_experts_auto(*a, valid=valid, **BETAS)[0])
+  y_plain = f(z, idx, w, wg, wu, wo)
+  assert not calls                       # no mesh: the single-device path
+  with sharding.with_mesh(sharding.make_mesh("data:8")):
+    y_dp = jax.jit(lambda *a: moe_ep.routed_experts_auto(*a, valid=valid, **BETAS)[0])(
+        z, idx, w, wg, wu, wo)
+  assert not calls                       # expert axis 1: still the single-device path
+  with sharding.with_mesh(sharding.make_mesh("data:2,expert:4")):
+    y_ep = jax.jit(lambda *a: moe_ep.routed_experts_auto(*a, valid=valid, **BETAS)[0])(
+        z, idx, w, wg, wu, wo)
+  assert calls
+  assert _error_ratio(y_dp, y_plain) <= 1e-5
+  assert _error_ratio(y_ep, y_plain) <= 1e-5
+
+
+def test_ep_shape_errors():
+  z, idx, w, wg, wu, wo, valid = _problem(n=60)
+  with pytest.raises(ValueError, match="60 tokens"):
+    moe_ep.routed_experts_ep(z, idx, w, wg, wu, wo, mesh=sharding.make_mesh("expert:8"), **BETAS)
+  z, idx, w, wg, wu, wo, valid = _problem()
+  with pytest.raises(ValueError, match="6 experts"):
+    moe_ep.routed_experts_ep(z, np.minimum(idx, 5), w, wg[:6], wu[:6], wo[:6],
+                             mesh=sharding.make_mesh("data:2,expert:4"), **BETAS)
+  with pytest.raises(ValueError, match="no mesh"):
+    moe_ep.routed_experts_ep(z, idx, w, wg, wu, wo, **BETAS)
+
+
+# ------------------------------------------------------------------------------------------------
+# Histogram QB
+
+
+def _sigmoid(x):
+  return (1 / (1 + np.exp(-x))).astype(np.float32)
+
+
+def _exact_thresholds(scores, bias, k, mask):
+  """Sort-based per-expert thresholds in numpy (fractional rank by interpolation)."""
+  s = np.asarray(scores, np.float64)[np.asarray(mask)] + np.asarray(bias, np.float64)
+  m, n = s.shape
+  cutoff = -np.sort(-s, axis=1)[:, k]
+  margins = -np.sort(-(s - cutoff[:, None]), axis=0)           # descending per column
+  q = m * k / n
+  lo = min(int(np.floor(q)), m - 1)
+  hi = min(lo + 1, m - 1)
+  frac = q - np.floor(q)
+  return margins[lo] + frac * (margins[hi] - margins[lo])
+
+
+@pytest.mark.parametrize("bins", [16, 1024])
+def test_histogram_qb_within_one_bin(bins):
+  rng = np.random.default_rng(3)
+  tokens, experts, k = 512, 16, 4
+  scores = _sigmoid(rng.standard_normal((tokens, experts)) + 0.3 * np.arange(experts) / experts)
+  bias = (0.05 * rng.standard_normal(experts)).astype(np.float32)
+  mask = rng.random(tokens) < 0.85
+
+  @jax.jit
+  def run(scores, bias, mask):
+    return (moe_ep.histogram_quantile_thresholds(scores, bias, k, mask, bins=bins),
+            quantile_balance_update(scores, bias, k, mask),
+            moe_ep.quantile_balance_update_histogram(scores, bias, k, mask, bins=bins))
+
+  (t, width, num_valid), exact, hist = run(scores, bias, mask)
+  assert float(num_valid) == float(np.sum(mask))
+  t_exact = _exact_thresholds(scores, bias, k, mask)
+  assert np.all(np.abs(np.asarray(t) - t_exact) <= 0.5 * np.asarray(width) * (1 + 1e-4))
+  assert np.max(np.abs(np.asarray(hist) - np.asarray(exact))) <= np.max(np.asarray(width))
+  assert abs(float(np.mean(hist))) < 1e-6
+  if bins == 1024:  # margins span < 2, so 1024 bins resolve the thresholds to ~2e-3
+    assert np.max(np.asarray(width)) < 2.5e-3
+
+
+def test_histogram_qb_sharded_equals_global():
+  mesh = sharding.make_mesh("data:2,expert:4")
+  rng = np.random.default_rng(4)
+  tokens, experts, k = 256, 8, 2
+  scores = _sigmoid(rng.standard_normal((tokens, experts)))
+  bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
+  mask = rng.random(tokens) < 0.7
+  axes = sharding.BATCH_AXES
+  local = jax.shard_map(
+      lambda s, b, m: moe_ep.quantile_balance_update_histogram(s, b, k, m, axis_name=axes,
+                                                               rate=0.5),
+      mesh=mesh, in_specs=(P(axes), P(), P(axes)), out_specs=P())
+
+  @jax.jit
+  def run(scores, bias, mask):
+    return (local(scores, bias, mask),
+            moe_ep.quantile_balance_update_histogram(scores, bias, k, mask, rate=0.5),
+            quantile_balance_update(scores, bias, k, mask, rate=0.5),
+            moe_ep.histogram_quantile_thresholds(scores, bias, k, mask)[1])
+
+  sharded, global_, exact, width = run(scores, bias, mask)
+  np.testing.assert_allclose(sharded, global_, rtol=0, atol=1e-6)
+  assert np.max(np.abs(np.asarray(sharded) - np.asarray(exact))) <= 0.5 * float(np.max(width))
+
+
+def test_histogram_qb_no_valid_token_keeps_bias():
+  scores = _sigmoid(np.random.default_rng(5).standard_normal((32, 8)))
+  bias = np.linspace(-0.1, 0.1, 8).astype(np.float32)
+  out = jax.jit(lambda s, b, m: moe_ep.quantile_balance_update_histogram(s, b, 2, m))(
+      scores, bias, np.zeros((32,), bool))
+  np.testing.assert_array_equal(out, bias)
+  with pytest.raises(ValueError, match="bins"):
+    moe_ep.quantile_balance_update_histogram(scores, bias, 2, bins=1)
