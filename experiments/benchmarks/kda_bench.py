@@ -9,11 +9,17 @@ q/k L2-norm in the op). Prints one JSON line per measurement:
 - peak GPU memory of forward+backward at the largest T (separate process per framework is not
   needed: JAX's allocator stats and torch's max_memory_allocated are read separately).
 
+With --stages, each Pallas kernel is first timed alone over launch candidates (`STAGE_LAUNCHES`,
+V blocks of the scans) and the end-to-end timings use the fastest (`kernels.Tuning`); --segments adds
+the segment-id path. Correctness runs with and without segment ids.
+
 Run: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/kda_bench.py
+fla's first call autotunes for minutes: give it its own call, or put it first in --impls.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -49,12 +55,12 @@ def make_inputs(B, T, H, D, seed=0):
               A_log=np.zeros((H,), np.float32), dt_bias=np.zeros((H * D,), np.float32))
 
 
-def jax_fns(impl):
+def jax_fns(impl, tuning=None, segment_ids=None):
   """fwd(q,k,v,graw,beta,A_log,dt_bias) -> o, for impl in {'pallas', 'xla'}."""
   if impl == "pallas":
     def fwd(q, k, v, graw, beta, a_log, dt):
       return pallas_chunk_kda(q, k, v, graw, beta, use_qk_l2norm=True, A_log=a_log, dt_bias=dt,
-                              lower_bound=LB)[0]
+                              lower_bound=LB, tuning=tuning, segment_ids=segment_ids)[0]
   else:
     def fwd(q, k, v, graw, beta, a_log, dt):
       g = kda_ops.kda_gate(graw, a_log, dt, lower_bound=LB)
@@ -87,8 +93,22 @@ def rr(a, b):
   return float(np.sqrt(np.mean((a - b) ** 2)) / (np.sqrt(np.mean(b ** 2)) + 1e-30))
 
 
-def correctness(B=2, T=1000, H=4, D=128, with_fla=True):
+def random_segments(B, T, mean_len, seed=0):
+  """[B, T] int32 segment ids: documents of random lengths (mean ~mean_len), some padding."""
+  rng = np.random.default_rng(seed)
+  out = np.zeros((B, T), np.int32)
+  for b in range(B):
+    t, sid = 0, 1
+    while t < T:
+      n = int(rng.integers(1, 2 * mean_len))
+      out[b, t:t + n] = sid if rng.random() > 0.1 else 0
+      t, sid = t + n, sid + 1
+  return jnp.asarray(out)
+
+
+def correctness(B=2, T=1000, H=4, D=128, with_fla=True, tuning=None, segments=False):
   """bf16 kernels vs fp32 recurrent reference (and fla vs the same reference)."""
+  seg = random_segments(B, T, 150, seed=3) if segments else None
   x = make_inputs(B, T, H, D, seed=1)
   rng = np.random.default_rng(2)
   x["A_log"] = rng.standard_normal(H).astype(np.float32) * 0.5
@@ -100,14 +120,14 @@ def correctness(B=2, T=1000, H=4, D=128, with_fla=True):
   def ref_loss(q, k, v, graw, beta, a_log, dt, h0):
     g = kda_ops.kda_gate(graw, a_log, dt, lower_bound=LB)
     o, ht = kda_ops.recurrent_kda(kda_ops.l2_normalize(q), kda_ops.l2_normalize(k), v, g, beta,
-                                  initial_state=h0, output_final_state=True)
+                                  initial_state=h0, output_final_state=True, segment_ids=seg)
     return jnp.sum(o * x["do"]) + jnp.sum(ht * dht), (o, ht)
 
   def pal_loss(q, k, v, graw, beta, a_log, dt, h0):
     bf = lambda t: t.astype(jnp.bfloat16)
     o, ht = pallas_chunk_kda(bf(q), bf(k), bf(v), bf(graw), bf(beta), use_qk_l2norm=True,
                              A_log=a_log, dt_bias=dt, lower_bound=LB, initial_state=h0,
-                             output_final_state=True)
+                             output_final_state=True, tuning=tuning, segment_ids=seg)
     return jnp.sum(o.astype(jnp.float32) * x["do"]) + jnp.sum(ht * dht), (o, ht)
 
   args = [jnp.asarray(x[n]) if n != "h0" else jnp.asarray(h0) for n in names]
@@ -116,8 +136,8 @@ def correctness(B=2, T=1000, H=4, D=128, with_fla=True):
           for n, a in zip(names, args)]
   gr, (o_r, ht_r) = jax.jit(jax.grad(ref_loss, argnums=range(8), has_aux=True))(*args)
   gp, (o_p, ht_p) = jax.jit(jax.grad(pal_loss, argnums=range(8), has_aux=True))(*args)
-  row = dict(kind="correctness", impl="pallas", B=B, T=T, H=H, D=D, o=rr(o_p, o_r),
-             ht=rr(ht_p, ht_r))
+  row = dict(kind="correctness", impl="pallas", B=B, T=T, H=H, D=D, segments=segments,
+             o=rr(o_p, o_r), ht=rr(ht_p, ht_r))
   row.update({f"d{n}": rr(a, b) for n, a, b in zip(names, gp, gr)})
   row["finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all() for a in gp))
   emit(**row)
@@ -142,13 +162,14 @@ def correctness(B=2, T=1000, H=4, D=128, with_fla=True):
   emit(**row)
 
 
-def bench_jax(impl, B, T, H, D, modes):
+def bench_jax(impl, B, T, H, D, modes, tuning=None, segments=False):
   x = make_inputs(B, T, H, D)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   args = [bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["graw"]), bf(x["beta"]),
           jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"])]
-  fwd, fwdbwd = jax_fns(impl)
-  row = dict(kind="time", impl=impl, B=B, T=T, H=H, D=D)
+  seg = random_segments(B, T, 1000) if segments else None
+  fwd, fwdbwd = jax_fns(impl, tuning, seg)
+  row = dict(kind="time", impl=impl, B=B, T=T, H=H, D=D, segments=segments)
   fl = flops_fwd(B, T, H, D)
   try:
     if "fwd" in modes:
@@ -195,8 +216,22 @@ def bench_fla(B, T, H, D, modes):
   torch.cuda.empty_cache()
 
 
-def bench_stages(B, T, H, D):
-  """Forward / backward kernels one at a time (bounded fused gate, bf16): where the time goes."""
+STAGE_LAUNCHES = {  # candidates swept by --stages: (num_warps, num_stages)
+    "intra_fwd": [(4, 1), (8, 1)],
+    "wy_fwd": [(4, 1), (8, 1)],
+    "scan_fwd": [(4, 1), (4, 3), (8, 3)],
+    "out_fwd": [(4, 1), (8, 1)],
+    "scan_bwd": [(4, 1), (4, 3), (8, 3)],
+    "dense_bwd": [(4, 1), (8, 1)],
+    "intra_bwd": [(4, 1), (8, 1)],
+}
+SCAN_BV = [32, 64]
+SCAN_BV_NARROW = [16, 32, 64]  # few rows × heads: smaller V blocks give more programs
+
+
+def bench_stages(B, T, H, D, scans_only=False, base=None):
+  """Times each kernel alone (bounded fused gate, bf16) over the launch candidates; returns the
+  fastest `Tuning` (scans_only: sweep only the two sequential scans, keep `base` for the rest)."""
   from pallas_kernels.kda import kernels as kk
   from pallas_kernels.kda import ops as kops
   x = make_inputs(B, T, H, D)
@@ -204,39 +239,90 @@ def bench_stages(B, T, H, D):
   q, k, v, graw, beta, do = (bf(x[n]) for n in ("q", "k", "v", "graw", "beta", "do"))
   q, k = kops._l2norm(q), kops._l2norm(k)
   a_log, dt = jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]).reshape(H, D)
-  cfg = kk.KernelConfig(chunk=64, scale=D ** -0.5, mm_dtype=jnp.bfloat16, exact_diag=False,
-                        gate="bounded", lower_bound=LB, interpret=False, state_dtype=jnp.bfloat16)
   nt = T // 64
   seq = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nt))
   first = jnp.broadcast_to((jnp.arange(nt) == 0).astype(jnp.int32), (B, nt))
   last = jnp.broadcast_to((jnp.arange(nt) == nt - 1).astype(jnp.int32), (B, nt))
   h0 = jnp.zeros((B + 1, H, D, D), jnp.float32)
+  best = dict(dataclasses.asdict(base or kk.Tuning()))
   row = dict(kind="stages", B=B, T=T, H=H, D=D)
-  def stage(name, fn, *args):
-    f = jax.jit(functools.partial(fn, cfg))
-    out = f(*args)
-    row[name + "_ms"] = round(time_jax(f, list(args)), 3)
-    return out
 
-  G, X, P, Dm = stage("intra_fwd", kk.intra_fwd, q, k, graw, beta, a_log, dt)
-  M, W, U = stage("wy_fwd", kk.wy_fwd, k, v, beta, G, X, Dm)
-  o, hs, ht = stage("scan_fwd", functools.partial(kk.scan_fwd, out_dtype=v.dtype), q, k, G, W, U,
-                    P, h0, seq, first, last)
-  dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd, q, k, G, W, P, do, jnp.zeros_like(h0), seq, first,
-                      last)
-  dP, dX, dq, dk, dG, dv, db = stage("dense_bwd", kk.dense_bwd, q, k, v, beta, G, W, U, M, X, hs,
-                                     dhs, dvn, do)
-  stage("intra_bwd", kk.intra_bwd, q, k, graw, G, dP, dX, dq, dk, dG, a_log, dt)
+  def cfg_for(**over):
+    return kk.KernelConfig(chunk=64, scale=D ** -0.5, mm_dtype=jnp.bfloat16, exact_diag=False,
+                           gate="bounded", lower_bound=LB, interpret=False,
+                           state_dtype=jnp.bfloat16, tuning=kk.Tuning(**dict(best, **over)))
+
+  def stage(name, fn, args, variants):
+    """variants: list of Tuning overrides; keeps the fastest in `best`, returns its outputs."""
+    times, outs, fastest = {}, None, float("inf")
+    for over in variants:
+      key = ",".join(f"{v}" for v in over.values())
+      try:
+        f = jax.jit(functools.partial(fn, cfg_for(**over)))
+        out = f(*args)
+        t = time_jax(f, list(args), reps=10, warmup=2)
+      except Exception as e:  # a variant that does not compile: record, try the others
+        row[f"{name}[{key}]_error"] = repr(e)[:200]
+        continue
+      times[key] = round(t, 3)
+      if t < fastest:
+        outs, pick, fastest = out, over, t
+    row[name + "_ms"] = times
+    if not times:
+      raise RuntimeError(f"no variant of {name} ran: {row}")
+    best.update(pick)
+    return outs
+
+  launches = lambda name: [{f"{name}_launch": l} for l in STAGE_LAUNCHES[name]]
+  scan_variants = lambda name, bvk: [
+      {f"{name}_launch": l, bvk: bv} for bv in (SCAN_BV_NARROW if scans_only else SCAN_BV)
+      for l in (STAGE_LAUNCHES[name][:2] if scans_only else STAGE_LAUNCHES[name])]
+  keep = lambda name: launches(name) if not scans_only else [{}]
+  G, X, P, Dm = stage("intra_fwd", kk.intra_fwd, (q, k, graw, beta, a_log, dt), keep("intra_fwd"))
+  M, W, U, kg = stage("wy_fwd", kk.wy_fwd, (k, v, beta, G, X, Dm), keep("wy_fwd"))
+  if not scans_only:  # the two kernels fused: keep it if faster than the pair
+    split_ms = min(row["intra_fwd_ms"].values()) + min(row["wy_fwd_ms"].values())
+    split = {n: best[n] for n in ("intra_fwd_launch", "fuse_wy")}
+    try:
+      stage("intra_wy_fwd", kk.intra_wy_fwd, (q, k, v, graw, beta, a_log, dt),
+            [{"intra_fwd_launch": l, "fuse_wy": True} for l in STAGE_LAUNCHES["intra_fwd"]])
+      if min(row["intra_wy_fwd_ms"].values()) >= split_ms:
+        best.update(split)
+    except RuntimeError:  # no variant compiled: keep the pair
+      best.update(split)
+  vn, hs, ht = stage("scan_fwd", kk.scan_fwd, (kg, G, W, U, h0, seq, first, last),
+                     scan_variants("scan_fwd", "bv_fwd"))
+  _, qg = stage("out_fwd", functools.partial(kk.out_fwd, out_dtype=v.dtype), (q, G, hs, P, vn),
+                keep("out_fwd"))
+  dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd,
+                      (qg, kg, G, W, P, do, jnp.zeros_like(h0), seq, first, last),
+                      scan_variants("scan_bwd", "bv_bwd"))
+  dP, dX, dq, dk, dG, dv, db = stage("dense_bwd", kk.dense_bwd,
+                                     (q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do),
+                                     keep("dense_bwd"))
+  stage("intra_bwd", kk.intra_bwd, (q, k, graw, G, dP, dX, dq, dk, dG, a_log, dt),
+        keep("intra_bwd"))
+  tuning = kk.Tuning(**best)
+  row["best"] = {n: list(v) if isinstance(v, tuple) else v for n, v in best.items()}
+  first = ("intra_wy_fwd",) if best["fuse_wy"] else ("intra_fwd", "wy_fwd")
+  row["sum_best_fwd_ms"] = round(sum(min(row[n + "_ms"].values()) for n in
+                                     first + ("scan_fwd", "out_fwd")), 3)
+  row["sum_best_bwd_ms"] = round(sum(min(row[n + "_ms"].values()) for n in
+                                     ("scan_bwd", "dense_bwd", "intra_bwd")), 3)
   emit(**row)
+  return tuning
 
 
 def main():
   p = argparse.ArgumentParser()
-  p.add_argument("--impls", default="pallas,xla,fla")
+  p.add_argument("--impls", default="pallas,xla,fla", help="run in this order")
   p.add_argument("--modes", default="fwd,fwdbwd")
   p.add_argument("--shapes", default="all", help="'all' or e.g. 8x4096x16x128,1x32768x16x128")
   p.add_argument("--skip-correctness", action="store_true")
-  p.add_argument("--stages", action="store_true", help="also time each kernel alone")
+  p.add_argument("--stages", action="store_true",
+                 help="time each kernel alone over launch candidates and use the fastest")
+  p.add_argument("--segments", action="store_true",
+                 help="also time the Pallas path with segment ids (~1000-token documents)")
   p.add_argument("--xla-max-tokens", type=int, default=65536,
                  help="skip the XLA path above this many tokens per row (memory / time)")
   a = p.parse_args()
@@ -245,19 +331,28 @@ def main():
   shapes = SHAPES if a.shapes == "all" else [tuple(int(t) for t in s.split("x"))
                                              for s in a.shapes.split(",")]
   emit(kind="env", device=str(jax.devices()[0]), jax=jax.__version__)
+  tuned = {}
+  if a.stages:
+    wide = bench_stages(*shapes[0])
+    narrow = wide
+    if any(B * H < 64 for B, _, H, _ in shapes):  # few rows × heads: sweep the scans there too
+      B, T, H, D = next(s for s in shapes if s[0] * s[2] < 64)
+      narrow = bench_stages(B, min(T, 32768), H, D, scans_only=True, base=wide)
+    tuned = {s: (wide if s[0] * s[2] >= 64 else narrow) for s in shapes}
   if not a.skip_correctness:
-    correctness(with_fla="fla" in impls)
-  for shape in shapes:
-    if a.stages:
-      bench_stages(*shape)
-    for impl in impls:
+    correctness(with_fla=False, tuning=tuned.get(shapes[0]))
+    correctness(with_fla=False, tuning=tuned.get(shapes[0]), segments=True)
+  for impl in impls:  # in the order given: fla's first call autotunes for minutes
+    for shape in shapes:
       if impl == "fla":
         bench_fla(*shape, modes)
       elif impl == "xla" and shape[1] > a.xla_max_tokens:
         emit(kind="time", impl="xla", B=shape[0], T=shape[1], H=shape[2], D=shape[3],
              skipped=f"T > {a.xla_max_tokens}")
       else:
-        bench_jax(impl, *shape, modes)
+        bench_jax(impl, *shape, modes, tuning=tuned.get(shape))
+        if impl == "pallas" and a.segments and shape == shapes[0]:
+          bench_jax(impl, *shape, modes, tuning=tuned.get(shape), segments=True)
 
 
 if __name__ == "__main__":

@@ -1,17 +1,26 @@
 """Pallas (Triton lowering) kernels of chunked Kimi Delta Attention, forward and backward.
 
 All kernels work on chunk-aligned sequences: time is a multiple of the chunk C = 64, split into
-NS = C/16 sub-tiles of BC = 16 rows. Layouts follow fla: q, k, g, G, W `[B, T, H, K]`; v, U, o
-`[B, T, H, V]`; beta `[B, T, H]`; per-chunk C×C matrices `[B, NT, H, C, C]` fp32; per-chunk states
-`[B, NT, H, K, V]`; initial/final states `[N + 1, H, K, V]` fp32 (row N is a dummy for chunks that
-belong to no sequence). Chunk metadata `[B, NT]` int32: the sequence index of each chunk and whether
-the chunk starts / ends its sequence (the state is reset / emitted there).
+NS = C/16 sub-tiles of BC = 16 rows. Layouts follow fla: q, k, g, G, W, kg `[B, T, H, K]`; v, U, Vn,
+o `[B, T, H, V]`; beta `[B, T, H]`; per-chunk C×C matrices `[B, NT, H, C, C]` fp32; per-chunk
+states `[B, NT, H, K, V]`; initial/final states `[N + 1, H, K, V]` fp32 (row N is a dummy for chunks
+that belong to no sequence). Chunk metadata `[B, NT]` int32: the sequence index of each chunk and
+whether the chunk starts / ends its sequence (the state is reset / emitted there).
 
 Math per chunk (scale s folded into q, G = in-chunk inclusive cumsum of the log gate g, b = G_{C-1}):
   X = strict_lower(Σ_d k_i k_j e^{G_i - G_j})       L = diag(β) X
   P = lower(Σ_d s q_i k_j e^{G_i - G_j})             (diagonal included)
   M = (I + L)^{-1}                                   W = M (β k e^G),  U = M (β v)
-  scan:  Vn = U - W S,  o = (s q e^G) S + P Vn,  S' = e^b ⊙ S + (k e^{b-G})ᵀ Vn.
+  scan:  Vn = U - W S,  S' = e^b ⊙ S + (k e^{b-G})ᵀ Vn       (sequential over chunks)
+  output: o = (s q e^G) S + P Vn                              (parallel over chunks)
+
+Documents inside a chunk (segment ids): `dseg [B, T]` int32 numbers the documents within each
+chunk (0 = the document the incoming state belongs to, +1 at every reset). A reset is the same as a
+log decay of -inf before the token, which the kernels apply as masks instead of infinities: pair
+terms (X, P) only within one document; the incoming state only reaches document 0 (rows of q e^G
+and of β k e^G, hence of W, are masked); the outgoing state only keeps the chunk's last document
+(rows of k e^{b-G} masked, e^b zeroed if the chunk has a reset). Within a document the cumsum G is
+the plain one, so all decays are unchanged.
 
 Pairwise decays e^{G_i - G_j} are only formed as products of two factors around a reference r,
 e^{G_i - r} · e^{r - G_j}, where r is G at the first row of the query sub-tile (a causal reference: it
@@ -35,6 +44,40 @@ BC = 16  # sub-tile rows: the smallest tensor-core dot
 
 
 @dataclasses.dataclass(frozen=True)
+class Tuning:
+  """Launch parameters of the compiled kernels (ignored by the interpreter).
+
+  Each `*_launch` is (num_warps, num_stages); `bv_*` is the V block of the sequential scans (more
+  blocks = more programs in parallel, each re-reading the chunk's K-side operands). `fuse_wy` runs
+  the first two forward kernels as one (`intra_wy_fwd`, launched with `intra_fwd_launch`).
+  """
+  intra_fwd_launch: tuple = (4, 1)
+  wy_fwd_launch: tuple = (4, 1)
+  scan_fwd_launch: tuple = (4, 1)
+  out_fwd_launch: tuple = (4, 1)
+  scan_bwd_launch: tuple = (4, 1)
+  dense_bwd_launch: tuple = (4, 1)
+  intra_bwd_launch: tuple = (4, 1)
+  bv_fwd: int = 64
+  bv_bwd: int = 64
+  fuse_wy: bool = False
+
+
+def default_tuning(rows_heads: int, V: int) -> Tuning:
+  """Launch parameters measured best on an H200 (RESULTS.md, run 2) for B·H = rows_heads.
+
+  With few rows × heads the scans run on few programs: smaller V blocks (more programs) and a
+  3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do.
+  """
+  if rows_heads >= 64:
+    bv_fwd, bv_bwd, scan_bwd = 64, 64, (8, 3)
+  else:
+    bv_fwd, bv_bwd, scan_bwd = 32, 16, (4, 3)
+  return Tuning(scan_fwd_launch=(4, 3), scan_bwd_launch=scan_bwd, dense_bwd_launch=(8, 1),
+                intra_bwd_launch=(8, 1), bv_fwd=min(bv_fwd, V), bv_bwd=min(bv_bwd, V))
+
+
+@dataclasses.dataclass(frozen=True)
 class KernelConfig:
   """Static configuration shared by the kernels.
 
@@ -47,8 +90,9 @@ class KernelConfig:
       'softplus' (-exp(A_log)·softplus(g + dt_bias)).
     lower_bound: bound of the 'bounded' gate.
     interpret: run in the Pallas interpreter.
-    num_warps: Triton warps for the chunk-parallel kernels.
-    state_dtype: dtype of the saved per-chunk states and of W, U.
+    state_dtype: dtype of the saved per-chunk states and of W, U, Vn, kg.
+    segmented: the kernels take `dseg` (documents within chunks, see the module docstring).
+    tuning: launch parameters.
   """
   chunk: int
   scale: float
@@ -57,19 +101,21 @@ class KernelConfig:
   gate: str
   lower_bound: float
   interpret: bool
-  num_warps: int = 4
   state_dtype: object = jnp.float32
+  segmented: bool = False
+  tuning: Tuning = Tuning()
 
   @property
   def ns(self) -> int:
     return self.chunk // BC
 
 
-def _params(cfg: KernelConfig, num_warps=None, num_stages=None):
+def _params(cfg: KernelConfig, launch):
   if cfg.interpret:
     return {}
-  return dict(compiler_params=pl_triton.CompilerParams(
-      num_warps=num_warps or cfg.num_warps, num_stages=num_stages or 1))
+  num_warps, num_stages = launch
+  return dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
+                                                       num_stages=num_stages))
 
 
 def _f32(x):
@@ -88,6 +134,17 @@ def _hd(cfg, a, b):
   """fp32-operand dot: exact fp32 for fp32 inputs, TF32 tensor cores for bf16 inputs."""
   prec = lax.Precision.HIGHEST if cfg.mm_dtype == jnp.float32 else lax.Precision.DEFAULT
   return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32), precision=prec,
+                 preferred_element_type=jnp.float32)
+
+
+def _hd3(cfg, a, b):
+  """fp32-operand dot at about fp32 accuracy: three TF32 products (hi·hi + hi·lo + lo·hi) when
+  compiled for bf16 inputs. Used by the backward pair terms, whose gate gradients cancel in sums
+  over tokens (plain TF32 made the summed dt_bias / A_log gradients 4-10x worse than fla's)."""
+  if cfg.mm_dtype == jnp.float32 or cfg.interpret:
+    return _hd(cfg, a, b)
+  return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
+                 precision=lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
                  preferred_element_type=jnp.float32)
 
 
@@ -122,12 +179,24 @@ def _gate_refs(cfg, gate_refs, h):
   return alog_ref[h].astype(jnp.float32), dt_ref[...].astype(jnp.float32)[None, :]
 
 
+def _doc_masks(d):
+  """From a chunk's document numbers d [C] int32: first-document rows [C, 1], last-document rows
+  [C, 1] and whether the chunk has no reset (scalar), all boolean."""
+  last = jnp.max(d)
+  return (d == 0)[:, None], (d == last)[:, None], last == 0
+
+
 # ----------------------------------------------------------------------------------------------
 # Forward 1: gate, in-chunk cumsum, X / P tiles and the inverses of the diagonal blocks of I + L.
 # ----------------------------------------------------------------------------------------------
-def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
-  ng = 0 if cfg.gate == "none" else 2
-  gate_refs, (G_ref, X_ref, P_ref, D_ref) = refs[:ng], refs[ng:]
+def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
+                 X_ref, P_ref, Z_ref=None):
+  """Gate, cumsum G (stored), X and P tiles (stored; zero tiles above the diagonal, also into
+  Z_ref if given) and the inverses of the diagonal blocks of I + L.
+
+  Returns (Gs, ds, ls, invs): G per sub-tile [BC, K]; document numbers per sub-tile [BC] (None
+  unless segmented); L = diag(β) X tiles {(I, J): [BC, BC]} for J <= I; (I + L_II)^{-1} per I.
+  """
   h = pl.program_id(2)
   a_log, dt = _gate_refs(cfg, gate_refs, h)
   ns, K = cfg.ns, q_ref.shape[-1]
@@ -135,8 +204,12 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
   ii, jj = _iota(tile, 0), _iota(tile, 1)
   zeros_tile = jnp.zeros(tile, jnp.float32)
 
+  # Only G stays in registers for all sub-tiles (it is computed here); q and k tiles are re-read
+  # from the refs where used, which keeps the kernel out of local memory.
+  load_q = lambda I: _f32(q_ref[pl.ds(I * BC, BC), :]) * cfg.scale
+  load_k = lambda I: _f32(k_ref[pl.ds(I * BC, BC), :])
   carry = jnp.zeros((1, K), jnp.float32)
-  Gs, refs_r, qs, ks = [], [], [], []
+  Gs, refs_r, ds, ls = [], [], [], {}
   for I in range(ns):
     rows = pl.ds(I * BC, BC)
     g = _activate_gate(cfg, _f32(g_ref[rows, :]), a_log, dt)
@@ -145,26 +218,26 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
     G_ref[rows, :] = G
     Gs.append(G)
     refs_r.append(_row(G, 0))
-    qs.append(_f32(q_ref[rows, :]) * cfg.scale)
-    ks.append(_f32(k_ref[rows, :]))
+    ds.append(dseg_ref[rows] if cfg.segmented else None)
 
   for I in range(ns):
     rows = pl.ds(I * BC, BC)
     e_i = jnp.exp(Gs[I] - refs_r[I])  # ≤ 1
-    qa, ka = qs[I] * e_i, ks[I] * e_i
+    qa, ka = load_q(I) * e_i, load_k(I) * e_i
+    beta = _f32(beta_ref[rows])[:, None]
     for J in range(ns):
       cols = pl.ds(J * BC, BC)
       if J > I:
-        X_ref[rows, cols] = zeros_tile
-        P_ref[rows, cols] = zeros_tile
-        D_ref[rows, cols] = zeros_tile
+        for ref in (X_ref, P_ref, Z_ref):
+          if ref is not None:
+            ref[rows, cols] = zeros_tile
         continue
       if J < I or not cfg.exact_diag:
-        kb = ks[J] * jnp.exp(refs_r[I] - Gs[J])  # ≤ 1 off the diagonal, ≤ e^{15|g|} on it
+        kb = load_k(J) * jnp.exp(refs_r[I] - Gs[J])  # ≤ 1 off the diagonal, ≤ e^{15|g|} on it
         x = _hd(cfg, ka, kb.T)
         p = _hd(cfg, qa, kb.T)
       else:
-        def pair_step(j, xp, G=Gs[I], kt=ks[I], qt=qs[I]):
+        def pair_step(j, xp, G=Gs[I], kt=load_k(I), qt=load_q(I)):
           x, p = xp
           e = jnp.exp(jnp.minimum(G - _row(G, j), 0.0))
           kje = _row(kt, j) * e
@@ -173,30 +246,99 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
           return x, p
 
         x, p = lax.fori_loop(0, BC, pair_step, (zeros_tile, zeros_tile))
+      if cfg.segmented:
+        same = ds[I][:, None] == ds[J][None, :]
+        x = jnp.where(same, x, 0.0)
+        p = jnp.where(same, p, 0.0)
       if J == I:
         x = jnp.where(ii > jj, x, 0.0)
         p = jnp.where(ii >= jj, p, 0.0)
-        # (I + L_II)^{-1} by forward substitution, one row at a time.
-        beta = _f32(beta_ref[rows])[:, None]
-        lmat = beta * x
-        def subst_step(i, inv, lmat=lmat):
-          li = _row(lmat, i)  # [1, BC]
-          new = jnp.sum(li.T * inv, axis=0, keepdims=True)  # l_i @ inv (rows < i are final)
-          return jnp.where(ii == i, inv - new, inv)
-
-        inv = lax.fori_loop(1, BC, subst_step, jnp.where(ii == jj, 1.0, 0.0))
-        D_ref[rows, cols] = inv
-      else:
-        D_ref[rows, cols] = zeros_tile
+      ls[(I, J)] = beta * x
       X_ref[rows, cols] = x
       P_ref[rows, cols] = p
 
+  # (I + L_II)^{-1} of the NS diagonal blocks by forward substitution, one row at a time, the NS
+  # independent chains in one loop (latency-bound steps overlap).
+  def subst_step(i, invs):
+    out = []
+    for I, inv in enumerate(invs):
+      li = _row(ls[(I, I)], i)  # [1, BC]
+      new = jnp.sum(li.T * inv, axis=0, keepdims=True)  # l_i @ inv (rows < i are final)
+      out.append(jnp.where(ii == i, inv - new, inv))
+    return tuple(out)
+
+  eye = jnp.where(ii == jj, 1.0, 0.0)
+  invs = lax.fori_loop(1, BC, subst_step, (eye,) * ns)
+  return Gs, ds, ls, invs
+
+
+def _split_refs(cfg, refs):
+  ng = 0 if cfg.gate == "none" else 2
+  gate_refs, refs = refs[:ng], refs[ng:]
+  dseg_ref = None
+  if cfg.segmented:
+    dseg_ref, refs = refs[0], refs[1:]
+  return gate_refs, dseg_ref, refs
+
+
+def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
+  gate_refs, dseg_ref, (G_ref, X_ref, P_ref, D_ref) = _split_refs(cfg, refs)
+  _, _, _, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
+                               X_ref, P_ref, Z_ref=D_ref)
+  zeros_tile = jnp.zeros((BC, BC), jnp.float32)
+  for I in range(cfg.ns):
+    for J in range(I + 1):
+      D_ref[pl.ds(I * BC, BC), pl.ds(J * BC, BC)] = invs[I] if I == J else zeros_tile
+
+
+def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
+  """Forward 1 and 2 in one kernel: the block inverses are merged into M tile by tile in
+  registers (M_IJ = -D_I Σ_{J<=m<I} L_Im M_mJ), so X, D and G make no HBM round trip."""
+  gate_refs, dseg_ref, (G_ref, X_ref, P_ref, M_ref, W_ref, U_ref, kg_ref) = _split_refs(cfg, refs)
+  Gs, ds, ls, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref,
+                                  G_ref, X_ref, P_ref, Z_ref=M_ref)
+  ns = cfg.ns
+  sub = lambda I: pl.ds(I * BC, BC)
+  m = {}
+  for I in range(ns):
+    m[(I, I)] = invs[I]
+    for J in reversed(range(I)):
+      acc = _hd(cfg, ls[(I, J)], m[(J, J)])
+      for mid in range(J + 1, I):
+        acc = acc + _hd(cfg, ls[(I, mid)], m[(mid, J)])
+      m[(I, J)] = -_hd(cfg, invs[I], acc)
+    for J in range(I + 1):
+      M_ref[sub(I), sub(J)] = m[(I, J)]
+  gb = _row(Gs[ns - 1], BC - 1)
+  if cfg.segmented:
+    d_last = jnp.max(ds[ns - 1])
+  for I in range(ns):
+    k_i = _f32(k_ref[sub(I), :])
+    kg = k_i * jnp.exp(gb - Gs[I])
+    if cfg.segmented:  # only the last document reaches the outgoing state
+      kg = jnp.where((ds[I] == d_last)[:, None], kg, 0.0)
+    kg_ref[sub(I), :] = kg.astype(kg_ref.dtype)
+    w = u = None
+    for J in range(I + 1):
+      beta = _f32(beta_ref[sub(J)])[:, None]
+      kb = beta * _f32(k_ref[sub(J), :]) * jnp.exp(Gs[J])
+      if cfg.segmented:  # later documents never see the incoming state
+        kb = jnp.where((ds[J] == 0)[:, None], kb, 0.0)
+      vb = beta * _f32(v_ref[sub(J), :])
+      dw, du = _mm(cfg, m[(I, J)], kb), _mm(cfg, m[(I, J)], vb)
+      w, u = (dw, du) if w is None else (w + dw, u + du)
+    W_ref[sub(I), :] = w.astype(W_ref.dtype)
+    U_ref[sub(I), :] = u.astype(U_ref.dtype)
+
 
 # ----------------------------------------------------------------------------------------------
-# Forward 2: merge the block inverses into M = (I + L)^{-1}; W = M (β k e^G), U = M (β v).
+# Forward 2: merge the block inverses into M = (I + L)^{-1}; W = M (β k e^G), U = M (β v) and the
+# state-update keys kg = k e^{b - G}.
 # ----------------------------------------------------------------------------------------------
-def _wy_fwd_kernel(cfg: KernelConfig, k_ref, v_ref, beta_ref, G_ref, X_ref, D_ref,
-                   M_ref, W_ref, U_ref):
+def _wy_fwd_kernel(cfg: KernelConfig, k_ref, v_ref, beta_ref, G_ref, X_ref, D_ref, *refs):
+  if cfg.segmented:
+    dseg_ref, refs = refs[0], refs[1:]
+  M_ref, W_ref, U_ref, kg_ref = refs
   C = cfg.chunk
   ii, jj = _iota((C, C), 0), _iota((C, C), 1)
   beta = _f32(beta_ref[...])[:, None]
@@ -214,19 +356,32 @@ def _wy_fwd_kernel(cfg: KernelConfig, k_ref, v_ref, beta_ref, G_ref, X_ref, D_re
     if step + 1 < steps:
       power = _hd(cfg, power, power)
   M_ref[...] = m
-  kb = beta * _f32(k_ref[...]) * jnp.exp(G_ref[...])
+  G = G_ref[...]
+  gb = G_ref[pl.ds(C - 1, 1), :]
+  k = _f32(k_ref[...])
+  kb = beta * k * jnp.exp(G)
+  kg = k * jnp.exp(gb - G)
+  if cfg.segmented:
+    first_doc, last_doc, _ = _doc_masks(dseg_ref[...])
+    kb = jnp.where(first_doc, kb, 0.0)  # later documents never see the incoming state
+    kg = jnp.where(last_doc, kg, 0.0)   # only the last document reaches the outgoing state
   vb = beta * _f32(v_ref[...])
   W_ref[...] = _mm(cfg, m, kb).astype(W_ref.dtype)
   U_ref[...] = _mm(cfg, m, vb).astype(U_ref.dtype)
+  kg_ref[...] = kg.astype(kg_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward 3: sequential scan over chunks (one program per batch row, head and V block).
+# Forward 3: sequential scan over chunks for the states and pseudo-values (one program per batch
+# row, head and V block).
 # ----------------------------------------------------------------------------------------------
-def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, q_ref, k_ref, G_ref, W_ref, U_ref, P_ref, h0_ref,
-                     seq_ref, first_ref, last_ref, o_ref, hs_ref, ht_ref):
+def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, kg_ref, G_ref, W_ref, U_ref, h0_ref, seq_ref,
+                     first_ref, last_ref, *refs):
+  if cfg.segmented:
+    dseg_ref, refs = refs[0], refs[1:]
+  vn_ref, hs_ref, ht_ref = refs
   b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C, K = cfg.chunk, q_ref.shape[-1]
+  C, K = cfg.chunk, W_ref.shape[-1]
   vs = pl.ds(iv * bv, bv)
 
   def body(c, s):
@@ -236,14 +391,12 @@ def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, q_ref, k_ref, G_ref, W_ref, U_re
     s = lax.cond(first_ref[b, c] != 0, lambda: h0_ref[seq, h, :, vs].astype(jnp.float32),
                  lambda: s)
     hs_ref[b, c, h, :, vs] = s.astype(hs_ref.dtype)
-    G = G_ref[b, rows, h, :]
-    gb = G_ref[b, t0 + C - 1, h, :][None, :]
+    decay = jnp.exp(G_ref[b, t0 + C - 1, h, :])[:, None]
+    if cfg.segmented:  # a reset inside the chunk drops the incoming state at the chunk's end
+      decay = jnp.where(dseg_ref[b, t0 + C - 1] == 0, decay, 0.0)
     vn = _f32(U_ref[b, rows, h, vs]) - _mm(cfg, W_ref[b, rows, h, :], s)
-    qg = _f32(q_ref[b, rows, h, :]) * (cfg.scale * jnp.exp(G))
-    o = _mm(cfg, qg, s) + _mm(cfg, P_ref[b, c, h, :, :], vn)
-    o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
-    kg = _f32(k_ref[b, rows, h, :]) * jnp.exp(gb - G)
-    s = jnp.exp(gb).T * s + _mm(cfg, kg.T, vn)
+    vn_ref[b, rows, h, vs] = vn.astype(vn_ref.dtype)
+    s = decay * s + _mm(cfg, kg_ref[b, rows, h, :].T, vn)
 
     @pl.when(last_ref[b, c] != 0)
     def _():
@@ -255,12 +408,31 @@ def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, q_ref, k_ref, G_ref, W_ref, U_re
 
 
 # ----------------------------------------------------------------------------------------------
+# Forward 4: outputs o = (s q e^G) S + P Vn, parallel over chunks; also saves qg = s q e^G (the
+# backward scan's query-side operand).
+# ----------------------------------------------------------------------------------------------
+def _out_fwd_kernel(cfg: KernelConfig, q_ref, G_ref, hs_ref, P_ref, vn_ref, *refs):
+  if cfg.segmented:
+    dseg_ref, refs = refs[0], refs[1:]
+  o_ref, qg_ref = refs
+  qg = _f32(q_ref[...]) * (cfg.scale * jnp.exp(G_ref[...]))
+  if cfg.segmented:
+    qg = jnp.where(_doc_masks(dseg_ref[...])[0], qg, 0.0)
+  qg_ref[...] = qg.astype(qg_ref.dtype)
+  o = _mm(cfg, qg, hs_ref[...]) + _mm(cfg, P_ref[...], vn_ref[...])
+  o_ref[...] = o.astype(o_ref.dtype)
+
+
+# ----------------------------------------------------------------------------------------------
 # Backward 1: reverse scan for dS (gradient of each chunk's end state) and dVn.
 # ----------------------------------------------------------------------------------------------
-def _scan_bwd_kernel(cfg: KernelConfig, nt, bv, q_ref, k_ref, G_ref, W_ref, P_ref, do_ref, dht_ref,
-                     seq_ref, first_ref, last_ref, dhs_ref, dvn_ref, dh0_ref):
+def _scan_bwd_kernel(cfg: KernelConfig, nt, bv, qg_ref, kg_ref, G_ref, W_ref, P_ref, do_ref,
+                     dht_ref, seq_ref, first_ref, last_ref, *refs):
+  if cfg.segmented:
+    dseg_ref, refs = refs[0], refs[1:]
+  dhs_ref, dvn_ref, dh0_ref = refs
   b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C, K = cfg.chunk, q_ref.shape[-1]
+  C, K = cfg.chunk, qg_ref.shape[-1]
   vs = pl.ds(iv * bv, bv)
 
   def body(i, ds):
@@ -271,14 +443,14 @@ def _scan_bwd_kernel(cfg: KernelConfig, nt, bv, q_ref, k_ref, G_ref, W_ref, P_re
     ds = lax.cond(last_ref[b, c] != 0, lambda: dht_ref[seq, h, :, vs].astype(jnp.float32),
                   lambda: ds)
     dhs_ref[b, c, h, :, vs] = ds.astype(dhs_ref.dtype)
-    G = G_ref[b, rows, h, :]
-    gb = G_ref[b, t0 + C - 1, h, :][None, :]
+    decay = jnp.exp(G_ref[b, t0 + C - 1, h, :])[:, None]
+    if cfg.segmented:  # a reset inside the chunk: the start state does not reach its end
+      decay = jnp.where(dseg_ref[b, t0 + C - 1] == 0, decay, 0.0)
     do = _f32(do_ref[b, rows, h, vs])
-    kg = _f32(k_ref[b, rows, h, :]) * jnp.exp(gb - G)
-    dvn = _mm(cfg, P_ref[b, c, h, :, :].T, do) + _mm(cfg, kg, ds)
+    dvn = _mm(cfg, P_ref[b, c, h, :, :].T, do) + _mm(cfg, kg_ref[b, rows, h, :], ds)
     dvn_ref[b, rows, h, vs] = dvn
-    qg = _f32(q_ref[b, rows, h, :]) * (cfg.scale * jnp.exp(G))
-    ds = jnp.exp(gb).T * ds + _mm(cfg, qg.T, do) - _mm(cfg, W_ref[b, rows, h, :].T, dvn)
+    ds = (decay * ds + _mm(cfg, qg_ref[b, rows, h, :].T, do)
+          - _mm(cfg, W_ref[b, rows, h, :].T, dvn))
 
     @pl.when(first_ref[b, c] != 0)
     def _():
@@ -292,49 +464,78 @@ def _scan_bwd_kernel(cfg: KernelConfig, nt, bv, q_ref, k_ref, G_ref, W_ref, P_re
 # ----------------------------------------------------------------------------------------------
 # Backward 2: dense per-chunk gradients (WY representation, inter-chunk terms, dP, dX).
 # ----------------------------------------------------------------------------------------------
-def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, W_ref, U_ref,
-                      M_ref, X_ref, hs_ref, dhs_ref, dvn_ref, do_ref,
-                      dP_ref, dX_ref, dq_ref, dk_ref, dG_ref, dv_ref, dbeta_ref):
+def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, vn_ref, M_ref,
+                      X_ref, hs_ref, dhs_ref, dvn_ref, do_ref, *refs):
+  # Ordered so that large operands die early (the K×V state and its gradient first, then the
+  # state-side gradients, then the WY part): fewer fp32 tiles live at once, less spilling.
+  if cfg.segmented:
+    dseg_ref, refs = refs[0], refs[1:]
+  dP_ref, dX_ref, dq_ref, dk_ref, dG_ref, dv_ref, dbeta_ref = refs
   C = cfg.chunk
   ii, jj = _iota((C, C), 0), _iota((C, C), 1)
-  s = _f32(hs_ref[...])
-  ds = dhs_ref[...]
+  causal = ii >= jj
+  strict = ii > jj
+  if cfg.segmented:
+    d = dseg_ref[...]
+    same = d[:, None] == d[None, :]
+    causal = causal & same
+    strict = strict & same
+    first_doc, last_doc, no_reset = _doc_masks(d)
+
+  # State terms: the start state S (hs) and the gradient of the end state dS (dhs).
   dvn = dvn_ref[...]
   do = _f32(do_ref[...])
-  G = G_ref[...]
-  gb = G_ref[pl.ds(C - 1, 1), :]
-  eg = jnp.exp(G)
-  egb = jnp.exp(gb - G)
-  q = _f32(q_ref[...]) * cfg.scale
-  k = _f32(k_ref[...])
-  v = _f32(v_ref[...])
-  beta = _f32(beta_ref[...])[:, None]
-  m = M_ref[...]
-
-  vn = _f32(U_ref[...]) - _mm(cfg, W_ref[...], s)
-  dP_ref[...] = jnp.where(ii >= jj, _mm(cfg, do, vn.T), 0.0)
+  vn = vn_ref[...]
+  s = hs_ref[...]
+  ds = dhs_ref[...]
   dw = -_mm(cfg, dvn, s.T)
   dqg = _mm(cfg, do, s.T)      # gradient of q e^G (scaled q)
   dkg = _mm(cfg, vn, ds.T)     # gradient of k e^{b-G}
+  state_db = jnp.sum(_f32(s) * ds, axis=1)[None, :]
+  dP_ref[...] = jnp.where(causal, _mm(cfg, do, vn.T), 0.0)
+
+  gb = G_ref[pl.ds(C - 1, 1), :]
+  decay = jnp.exp(gb)
+  if cfg.segmented:
+    dqg = jnp.where(first_doc, dqg, 0.0)
+    dkg = jnp.where(last_doc, dkg, 0.0)
+    decay = jnp.where(no_reset, decay, 0.0)
+  G = G_ref[...]
+  eg = jnp.exp(G)
+  q = _f32(q_ref[...]) * cfg.scale
+  dq_ref[...] = cfg.scale * dqg * eg
+  dG = dqg * q * eg
+  k = _f32(k_ref[...])
+  egb = jnp.exp(gb - G)
+  kgv = k * egb
+  dk = dkg * egb
+  dG = dG - dkg * kgv
+  db = decay * state_db + jnp.sum(dkg * kgv, axis=0, keepdims=True)
+
+  # WY terms: W = M (β k e^G), U = M (β v), M = (I + L)^{-1}.
+  beta = _f32(beta_ref[...])[:, None]
+  v = _f32(v_ref[...])
+  m = M_ref[...]
   kt = k * eg
   kb, vb = beta * kt, beta * v
+  if cfg.segmented:
+    kb = jnp.where(first_doc, kb, 0.0)
   dm = jnp.where(ii >= jj, _mm(cfg, dw, kb.T) + _mm(cfg, dvn, vb.T), 0.0)
   dkb = _mm(cfg, m.T, dw)
+  if cfg.segmented:
+    dkb = jnp.where(first_doc, dkb, 0.0)
   dvb = _mm(cfg, m.T, dvn)
   dv_ref[...] = (beta * dvb).astype(dv_ref.dtype)
-  # M = (I + L)^{-1}  ⇒  dL = -Mᵀ dM Mᵀ (strictly lower part).
+  # M = (I + L)^{-1}  ⇒  dL = -Mᵀ dM Mᵀ (strictly lower part, within documents).
   dl = -_hd(cfg, _hd(cfg, m.T, dm), m.T)
-  dl = jnp.where(ii > jj, dl, 0.0)
+  dl = jnp.where(strict, dl, 0.0)
   x = X_ref[...]
   dbeta = jnp.sum(dvb * v, axis=1) + jnp.sum(dkb * kt, axis=1) + jnp.sum(dl * x, axis=1)
   dbeta_ref[...] = dbeta
   dX_ref[...] = beta * dl
   dkt = beta * dkb
-  kgv = k * egb
-  dq_ref[...] = cfg.scale * dqg * eg
-  dk_ref[...] = dkt * eg + dkg * egb
-  dG = dqg * q * eg + dkt * kt - dkg * kgv
-  db = jnp.exp(gb) * jnp.sum(s * ds, axis=1)[None, :] + jnp.sum(dkg * kgv, axis=0, keepdims=True)
+  dk_ref[...] = dk + dkt * eg
+  dG = dG + dkt * kt
   dG_ref[...] = jnp.where(_iota(dG.shape, 0) == C - 1, dG + db, dG)
 
 
@@ -343,6 +544,10 @@ def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, W
 # ----------------------------------------------------------------------------------------------
 def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, G_ref, dP_ref, dX_ref, dqp_ref,
                       dkp_ref, dGp_ref, *refs):
+  # One 16-row sub-tile T at a time, last first (the reverse cumsum carries a tail backwards): its
+  # query-side terms (pairs (T, J), J <= T) and key-side terms (pairs (I, T), I >= T) accumulate in
+  # three [16, K] tiles, and the operands of each pair are re-read from the refs. Holding only one
+  # sub-tile's accumulators keeps the kernel out of local memory.
   ng = 0 if cfg.gate == "none" else 2
   gate_refs, out_refs = refs[:ng], refs[ng:]
   if cfg.gate == "none":
@@ -353,65 +558,78 @@ def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, G_ref, dP_ref, dX_
   ns = cfg.ns
   tile = (BC, BC)
   ii, jj = _iota(tile, 0), _iota(tile, 1)
+  sub = lambda I: pl.ds(I * BC, BC)
+  load_q = lambda I: _f32(q_ref[sub(I), :]) * cfg.scale
+  load_k = lambda I: _f32(k_ref[sub(I), :])
+  load_ref_row = lambda I: G_ref[pl.ds(I * BC, 1), :]  # the reference r_I (first row of tile I)
 
-  Gs, rs, qs, ks, dqs, dks, dGs = [], [], [], [], [], [], []
-  for I in range(ns):
-    rows = pl.ds(I * BC, BC)
-    G = G_ref[rows, :]
-    Gs.append(G)
-    rs.append(_row(G, 0))
-    qs.append(_f32(q_ref[rows, :]) * cfg.scale)
-    ks.append(_f32(k_ref[rows, :]))
-    dqs.append(dqp_ref[rows, :])
-    dks.append(dkp_ref[rows, :])
-    dGs.append(dGp_ref[rows, :])
+  def pair_tiles(I, J):
+    dp = dP_ref[sub(I), sub(J)]
+    dx = dX_ref[sub(I), sub(J)]
+    if I == J:
+      dp = jnp.where(ii >= jj, dp, 0.0)
+      dx = jnp.where(ii > jj, dx, 0.0)
+    return dp, dx
 
-  for I in range(ns):
-    rows = pl.ds(I * BC, BC)
-    e_i = jnp.exp(Gs[I] - rs[I])
-    qa, ka = qs[I] * e_i, ks[I] * e_i
-    for J in range(I + 1):
-      cols = pl.ds(J * BC, BC)
-      dp = dP_ref[rows, cols]
-      dx = dX_ref[rows, cols]
-      if J == I:
-        dp = jnp.where(ii >= jj, dp, 0.0)
-        dx = jnp.where(ii > jj, dx, 0.0)
-      if J < I or not cfg.exact_diag:
-        e_j = jnp.exp(rs[I] - Gs[J])
-        kb = ks[J] * e_j
-        left_q = e_i * _hd(cfg, dp, kb)
-        left_k = e_i * _hd(cfg, dx, kb)
-        right = e_j * (_hd(cfg, dp.T, qa) + _hd(cfg, dx.T, ka))
-      else:
-        def pair_step(j, acc, G=Gs[I], kt=ks[I], qt=qs[I], dp=dp, dx=dx):
-          left_q, left_k, right = acc
-          e = jnp.exp(jnp.minimum(G - _row(G, j), 0.0))
-          kje = _row(kt, j) * e
-          dpj, dxj = _col(dp, j), _col(dx, j)
-          left_q = left_q + dpj * kje
-          left_k = left_k + dxj * kje
-          rrow = jnp.sum((dpj * qt + dxj * kt) * e, axis=0, keepdims=True)
-          right = jnp.where(_iota(right.shape, 0) == j, right + rrow, right)
-          return left_q, left_k, right
+  def diag_exact(T):
+    """Exact pairwise decays on the diagonal tile: (left_q, left_k, right)."""
+    G, kt, qt = G_ref[sub(T), :], load_k(T), load_q(T)
+    dp, dx = pair_tiles(T, T)
 
-        z = jnp.zeros_like(qs[I])
-        left_q, left_k, right = lax.fori_loop(0, BC, pair_step, (z, z, z))
-      dqs[I] = dqs[I] + cfg.scale * left_q
-      dks[I] = dks[I] + left_k
-      dGs[I] = dGs[I] + qs[I] * left_q + ks[I] * left_k
-      dks[J] = dks[J] + right
-      dGs[J] = dGs[J] - ks[J] * right
+    def pair_step(j, acc):
+      left_q, left_k, right = acc
+      e = jnp.exp(jnp.minimum(G - _row(G, j), 0.0))
+      kje = _row(kt, j) * e
+      dpj, dxj = _col(dp, j), _col(dx, j)
+      left_q = left_q + dpj * kje
+      left_k = left_k + dxj * kje
+      rrow = jnp.sum((dpj * qt + dxj * kt) * e, axis=0, keepdims=True)
+      right = jnp.where(_iota(right.shape, 0) == j, right + rrow, right)
+      return left_q, left_k, right
+
+    z = jnp.zeros_like(qt)
+    return lax.fori_loop(0, BC, pair_step, (z, z, z))
 
   h_a_log, dt = _gate_refs(cfg, gate_refs, h)
-  tail = jnp.zeros_like(rs[0])
-  for I in reversed(range(ns)):
-    rows = pl.ds(I * BC, BC)
-    dq_ref[rows, :] = dqs[I].astype(dq_ref.dtype)
-    dk_ref[rows, :] = dks[I].astype(dk_ref.dtype)
-    d = dGs[I]
-    total = jnp.sum(d, axis=0, keepdims=True)
-    dg = total - lax.cumsum(d, axis=0) + d + tail  # reverse cumsum within the chunk
+  tail = jnp.zeros((1, q_ref.shape[-1]), jnp.float32)
+  for T in reversed(range(ns)):
+    rows = sub(T)
+    dq = dqp_ref[rows, :]
+    dk = dkp_ref[rows, :]
+    dG = dGp_ref[rows, :]
+    G_T, k_T = G_ref[rows, :], load_k(T)
+    exact = cfg.exact_diag
+    # Query side: pairs (T, J), J <= T (J == T only on the factored path).
+    r_T = load_ref_row(T)
+    e_t = jnp.exp(G_T - r_T)
+    left_q = jnp.zeros_like(dq)
+    left_k = jnp.zeros_like(dq)
+    for J in range(T + 1 if not exact else T):
+      dp, dx = pair_tiles(T, J)
+      kb = load_k(J) * jnp.exp(r_T - G_ref[sub(J), :])
+      left_q = left_q + _hd3(cfg, dp, kb)
+      left_k = left_k + _hd3(cfg, dx, kb)
+    left_q, left_k = e_t * left_q, e_t * left_k
+    # Key side: pairs (I, T), I >= T (I == T only on the factored path).
+    right = jnp.zeros_like(dq)
+    for I in range(T if not exact else T + 1, ns):
+      dp, dx = pair_tiles(I, T)
+      r_I = load_ref_row(I)
+      e_i = jnp.exp(G_ref[sub(I), :] - r_I)
+      right = right + jnp.exp(r_I - G_T) * (_hd3(cfg, dp.T, load_q(I) * e_i)
+                                            + _hd3(cfg, dx.T, load_k(I) * e_i))
+    if exact:
+      lq, lk, rt = diag_exact(T)
+      left_q, left_k, right = left_q + lq, left_k + lk, right + rt
+    q_T = load_q(T)
+    dq = dq + cfg.scale * left_q
+    dk = dk + left_k + right
+    dG = dG + q_T * left_q + k_T * (left_k - right)
+
+    dq_ref[rows, :] = dq.astype(dq_ref.dtype)
+    dk_ref[rows, :] = dk.astype(dk_ref.dtype)
+    total = jnp.sum(dG, axis=0, keepdims=True)
+    dg = total - lax.cumsum(dG, axis=0) + dG + tail  # reverse cumsum within the chunk
     tail = tail + total
     if cfg.gate == "none":
       dg_ref[rows, :] = dg.astype(dg_ref.dtype)
@@ -442,6 +660,10 @@ def _vec_spec(C):
   return pl.BlockSpec((None, C, None), lambda b, c, h: (b, c, h))
 
 
+def _seg_spec(C):
+  return pl.BlockSpec((None, C), lambda b, c, h: (b, c))
+
+
 def _mat_spec(C):
   return pl.BlockSpec((None, None, None, C, C), lambda b, c, h: (b, c, h, 0, 0))
 
@@ -450,8 +672,15 @@ def _state_spec(K, V):
   return pl.BlockSpec((None, None, None, K, V), lambda b, c, h: (b, c, h, 0, 0))
 
 
-def intra_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None):
+def _check_seg(cfg, dseg):
+  if cfg.segmented != (dseg is not None):
+    raise ValueError(f"dseg must be given exactly when cfg.segmented; segmented={cfg.segmented}, "
+                     f"dseg={'given' if dseg is not None else None}")
+
+
+def intra_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
   """Returns G [B,T,H,K] fp32 and X, P, D [B,NT,H,C,C] fp32."""
+  _check_seg(cfg, dseg)
   B, T, H, K = q.shape
   C = cfg.chunk
   nt = T // C
@@ -462,6 +691,9 @@ def intra_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None):
     in_specs += [pl.BlockSpec((H,), lambda b, c, h: (0,)),
                  pl.BlockSpec((None, K), lambda b, c, h: (h, 0))]
     args += [a_log.astype(f32), dt_bias.astype(f32)]
+  if cfg.segmented:
+    in_specs.append(_seg_spec(C))
+    args.append(dseg)
   mat = jax.ShapeDtypeStruct((B, nt, H, C, C), f32)
   return pl.pallas_call(
       functools.partial(_intra_fwd_kernel, cfg),
@@ -469,58 +701,132 @@ def intra_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None):
       in_specs=in_specs,
       out_specs=[_tok_spec(C, K), _mat_spec(C), _mat_spec(C), _mat_spec(C)],
       out_shape=[jax.ShapeDtypeStruct((B, T, H, K), f32), mat, mat, mat],
-      interpret=cfg.interpret, name="kda_intra_fwd", **_params(cfg),
+      interpret=cfg.interpret, name="kda_intra_fwd",
+      **_params(cfg, cfg.tuning.intra_fwd_launch),
   )(*args)
 
 
-def wy_fwd(cfg, k, v, beta, G, X, D):
-  """Returns M [B,NT,H,C,C] fp32, W [B,T,H,K] and U [B,T,H,V] (cfg.state_dtype)."""
+def intra_wy_fwd(cfg, q, k, v, g, beta, a_log=None, dt_bias=None, dseg=None):
+  """`intra_fwd` and `wy_fwd` in one kernel. Returns G [B,T,H,K] fp32; X, P, M [B,NT,H,C,C] fp32;
+  W [B,T,H,K], U [B,T,H,V], kg [B,T,H,K] (cfg.state_dtype)."""
+  _check_seg(cfg, dseg)
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = cfg.chunk
+  nt = T // C
+  f32 = jnp.float32
+  in_specs = [_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, V), _tok_spec(C, K), _vec_spec(C)]
+  args = [q, k, v, g, beta]
+  if cfg.gate != "none":
+    in_specs += [pl.BlockSpec((H,), lambda b, c, h: (0,)),
+                 pl.BlockSpec((None, K), lambda b, c, h: (h, 0))]
+    args += [a_log.astype(f32), dt_bias.astype(f32)]
+  if cfg.segmented:
+    in_specs.append(_seg_spec(C))
+    args.append(dseg)
+  mat = jax.ShapeDtypeStruct((B, nt, H, C, C), f32)
+  return pl.pallas_call(
+      functools.partial(_intra_wy_fwd_kernel, cfg),
+      grid=(B, nt, H),
+      in_specs=in_specs,
+      out_specs=[_tok_spec(C, K), _mat_spec(C), _mat_spec(C), _mat_spec(C), _tok_spec(C, K),
+                 _tok_spec(C, V), _tok_spec(C, K)],
+      out_shape=[jax.ShapeDtypeStruct((B, T, H, K), f32), mat, mat, mat,
+                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype),
+                 jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
+                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype)],
+      interpret=cfg.interpret, name="kda_intra_wy_fwd",
+      **_params(cfg, cfg.tuning.intra_fwd_launch),
+  )(*args)
+
+
+def wy_fwd(cfg, k, v, beta, G, X, D, dseg=None):
+  """Returns M [B,NT,H,C,C] fp32, W [B,T,H,K], U [B,T,H,V] and kg [B,T,H,K] (cfg.state_dtype)."""
+  _check_seg(cfg, dseg)
   B, T, H, K = k.shape
   V = v.shape[-1]
   C = cfg.chunk
   nt = T // C
+  in_specs = [_tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _tok_spec(C, K), _mat_spec(C),
+              _mat_spec(C)]
+  args = [k, v, beta, G, X, D]
+  if cfg.segmented:
+    in_specs.append(_seg_spec(C))
+    args.append(dseg)
   return pl.pallas_call(
       functools.partial(_wy_fwd_kernel, cfg),
       grid=(B, nt, H),
-      in_specs=[_tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _tok_spec(C, K), _mat_spec(C),
-                _mat_spec(C)],
-      out_specs=[_mat_spec(C), _tok_spec(C, K), _tok_spec(C, V)],
+      in_specs=in_specs,
+      out_specs=[_mat_spec(C), _tok_spec(C, K), _tok_spec(C, V), _tok_spec(C, K)],
       out_shape=[jax.ShapeDtypeStruct((B, nt, H, C, C), jnp.float32),
                  jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype),
-                 jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype)],
-      interpret=cfg.interpret, name="kda_wy_fwd", **_params(cfg),
-  )(k, v, beta, G, X, D)
+                 jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
+                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype)],
+      interpret=cfg.interpret, name="kda_wy_fwd", **_params(cfg, cfg.tuning.wy_fwd_launch),
+  )(*args)
 
 
-def _bv(V):
-  return min(V, 64)
+def _bv(V, bv):
+  bv = min(V, bv)
+  if V % bv:
+    raise ValueError(f"the scan's V block ({bv}) must divide V = {V}")
+  return bv
 
 
-def scan_fwd(cfg, q, k, G, W, U, P, h0, seq, first, last, out_dtype):
-  """Returns o [B,T,H,V], per-chunk start states [B,NT,H,K,V], final states like h0."""
-  B, T, H, K = q.shape
+def scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=None):
+  """Returns Vn [B,T,H,V] (cfg.state_dtype), per-chunk start states [B,NT,H,K,V], final states
+  like h0."""
+  _check_seg(cfg, dseg)
+  B, T, H, K = kg.shape
   V = U.shape[-1]
   C = cfg.chunk
   nt = T // C
-  bv = _bv(V)
+  bv = _bv(V, cfg.tuning.bv_fwd)
+  args = [kg, G, W, U, h0, seq, first, last] + ([dseg] if cfg.segmented else [])
   return pl.pallas_call(
       functools.partial(_scan_fwd_kernel, cfg, nt, bv),
       grid=(B, H, V // bv),
-      out_shape=[jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
+      out_shape=[jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
                  jax.ShapeDtypeStruct((B, nt, H, K, V), cfg.state_dtype),
                  jax.ShapeDtypeStruct(h0.shape, jnp.float32)],
-      input_output_aliases={6: 2},  # sequences with no chunk keep their initial state
-      interpret=cfg.interpret, name="kda_scan_fwd", **_params(cfg),
-  )(q, k, G, W, U, P, h0, seq, first, last)
+      input_output_aliases={4: 2},  # sequences with no chunk keep their initial state
+      interpret=cfg.interpret, name="kda_scan_fwd", **_params(cfg, cfg.tuning.scan_fwd_launch),
+  )(*args)
 
 
-def scan_bwd(cfg, q, k, G, W, P, do, dht, seq, first, last):
-  """Returns dS per chunk end [B,NT,H,K,V] fp32, dVn [B,T,H,V] fp32, dh0 like dht."""
+def out_fwd(cfg, q, G, hs, P, vn, out_dtype, dseg=None):
+  """Returns o [B,T,H,V] in out_dtype and qg = s q e^G [B,T,H,K] (cfg.state_dtype, zero after a
+  reset in the chunk)."""
+  _check_seg(cfg, dseg)
   B, T, H, K = q.shape
+  V = vn.shape[-1]
+  C = cfg.chunk
+  nt = T // C
+  in_specs = [_tok_spec(C, K), _tok_spec(C, K), _state_spec(K, V), _mat_spec(C), _tok_spec(C, V)]
+  args = [q, G, hs, P, vn]
+  if cfg.segmented:
+    in_specs.append(_seg_spec(C))
+    args.append(dseg)
+  return pl.pallas_call(
+      functools.partial(_out_fwd_kernel, cfg),
+      grid=(B, nt, H),
+      in_specs=in_specs,
+      out_specs=[_tok_spec(C, V), _tok_spec(C, K)],
+      out_shape=[jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
+                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype)],
+      interpret=cfg.interpret, name="kda_out_fwd", **_params(cfg, cfg.tuning.out_fwd_launch),
+  )(*args)
+
+
+def scan_bwd(cfg, qg, kg, G, W, P, do, dht, seq, first, last, dseg=None):
+  """Returns dS per chunk end [B,NT,H,K,V] fp32, dVn [B,T,H,V] fp32, dh0 like dht."""
+  _check_seg(cfg, dseg)
+  B, T, H, K = qg.shape
   V = do.shape[-1]
   C = cfg.chunk
   nt = T // C
-  bv = _bv(V)
+  bv = _bv(V, cfg.tuning.bv_bwd)
+  args = [qg, kg, G, W, P, do, dht, seq, first, last] + ([dseg] if cfg.segmented else [])
   return pl.pallas_call(
       functools.partial(_scan_bwd_kernel, cfg, nt, bv),
       grid=(B, H, V // bv),
@@ -528,12 +834,13 @@ def scan_bwd(cfg, q, k, G, W, P, do, dht, seq, first, last):
                  jax.ShapeDtypeStruct((B, T, H, V), jnp.float32),
                  jax.ShapeDtypeStruct(dht.shape, jnp.float32)],
       input_output_aliases={6: 2},
-      interpret=cfg.interpret, name="kda_scan_bwd", **_params(cfg),
-  )(q, k, G, W, P, do, dht, seq, first, last)
+      interpret=cfg.interpret, name="kda_scan_bwd", **_params(cfg, cfg.tuning.scan_bwd_launch),
+  )(*args)
 
 
-def dense_bwd(cfg, q, k, v, beta, G, W, U, M, X, hs, dhs, dvn, do):
+def dense_bwd(cfg, q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do, dseg=None):
   """Returns dP, dX [B,NT,H,C,C]; partial dq, dk, dG [B,T,H,K] fp32; dv [B,T,H,V]; dbeta [B,T,H]."""
+  _check_seg(cfg, dseg)
   B, T, H, K = q.shape
   V = v.shape[-1]
   C = cfg.chunk
@@ -541,23 +848,29 @@ def dense_bwd(cfg, q, k, v, beta, G, W, U, M, X, hs, dhs, dvn, do):
   f32 = jnp.float32
   mat = jax.ShapeDtypeStruct((B, nt, H, C, C), f32)
   tokk = jax.ShapeDtypeStruct((B, T, H, K), f32)
+  in_specs = [_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _tok_spec(C, K),
+              _tok_spec(C, V), _mat_spec(C), _mat_spec(C), _state_spec(K, V), _state_spec(K, V),
+              _tok_spec(C, V), _tok_spec(C, V)]
+  args = [q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do]
+  if cfg.segmented:
+    in_specs.append(_seg_spec(C))
+    args.append(dseg)
   return pl.pallas_call(
       functools.partial(_dense_bwd_kernel, cfg),
       grid=(B, nt, H),
-      in_specs=[_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _tok_spec(C, K),
-                _tok_spec(C, K), _tok_spec(C, V), _mat_spec(C), _mat_spec(C), _state_spec(K, V),
-                _state_spec(K, V), _tok_spec(C, V), _tok_spec(C, V)],
+      in_specs=in_specs,
       out_specs=[_mat_spec(C), _mat_spec(C), _tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, K),
                  _tok_spec(C, V), _vec_spec(C)],
       out_shape=[mat, mat, tokk, tokk, tokk, jax.ShapeDtypeStruct((B, T, H, V), v.dtype),
                  jax.ShapeDtypeStruct((B, T, H), f32)],
-      interpret=cfg.interpret, name="kda_dense_bwd", **_params(cfg),
-  )(q, k, v, beta, G, W, U, M, X, hs, dhs, dvn, do)
+      interpret=cfg.interpret, name="kda_dense_bwd", **_params(cfg, cfg.tuning.dense_bwd_launch),
+  )(*args)
 
 
 def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
   """Returns dq, dk [B,T,H,K] (input dtype), dg [B,T,H,K] fp32 (w.r.t. the gate input) and, for a
-  fused gate, the per-token A_log gradient terms [B,T,H] fp32."""
+  fused gate, the per-token A_log gradient terms [B,T,H] fp32. dP and dX come masked (causal,
+  within documents) from `dense_bwd`."""
   B, T, H, K = q.shape
   C = cfg.chunk
   nt = T // C
@@ -578,5 +891,5 @@ def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
       functools.partial(_intra_bwd_kernel, cfg),
       grid=(B, nt, H),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      interpret=cfg.interpret, name="kda_intra_bwd", **_params(cfg),
+      interpret=cfg.interpret, name="kda_intra_bwd", **_params(cfg, cfg.tuning.intra_bwd_launch),
   )(*args)

@@ -1,11 +1,16 @@
 """`chunk_kda`: chunked Kimi Delta Attention on Pallas kernels, differentiable through a Pallas VJP.
 
-What the forward saves for the backward (`_core_fwd`): the kernel inputs, the in-chunk gate cumsum G,
-the per-chunk C×C matrices X (key-key decayed products), P (query-key) and M = (I + L)^{-1}, the WY
-vectors W and U, and the state at the start of every chunk (in the input dtype, like fla). Nothing of
-the forward is recomputed except the pseudo-values Vn = U − W S (one C×K×V dot per chunk in the
-backward's dense kernel). Saving the per-chunk states costs T/C·H·K·V elements but spares the
-backward a second sequential scan, which is the stage with the least parallelism.
+What the forward saves for the backward (`_core_fwd`): the kernel inputs, the in-chunk gate cumsum
+G, the per-chunk C×C matrices X (key-key decayed products), P (query-key) and M = (I + L)^{-1}, the
+WY keys W, the state-update keys kg = k e^{b-G}, the output-side queries qg = s q e^G, the
+pseudo-values Vn = U − W S and the state at the start of every chunk (the last five in the input
+dtype, like fla). Nothing of the forward is recomputed. Saving the per-chunk states costs
+T/C·H·K·V elements but spares the backward a second sequential scan, which is the stage with the
+least parallelism.
+
+Packing: `cu_seqlens` aligns each sequence to the chunk grid (its own initial / final state);
+`segment_ids` keeps the tokens where they are and resets the state inside chunks (document masks in
+the kernels, see `kernels.py`).
 
 Gate policy (the diagonal 16×16 sub-tiles are the only place where a gate bound matters, see
 `kernels.py`):
@@ -38,25 +43,30 @@ def _l2norm(x):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last):
-  (o, ht), _ = _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last)
+def _core(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
+  (o, ht), _ = _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg)
   return o, ht
 
 
-def _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last):
-  G, X, P, D = kk.intra_fwd(cfg, q, k, g, beta, a_log, dt_bias)
-  M, W, U = kk.wy_fwd(cfg, k, v, beta, G, X, D)
-  o, hs, ht = kk.scan_fwd(cfg, q, k, G, W, U, P, h0, seq, first, last, v.dtype)
-  res = (q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, U, hs, seq, first, last)
+def _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
+  if cfg.tuning.fuse_wy:
+    G, X, P, M, W, U, kg = kk.intra_wy_fwd(cfg, q, k, v, g, beta, a_log, dt_bias, dseg=dseg)
+  else:
+    G, X, P, D = kk.intra_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg)
+    M, W, U, kg = kk.wy_fwd(cfg, k, v, beta, G, X, D, dseg=dseg)
+  vn, hs, ht = kk.scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=dseg)
+  o, qg = kk.out_fwd(cfg, q, G, hs, P, vn, v.dtype, dseg=dseg)
+  res = (q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first, last, dseg)
   return (o, ht), res
 
 
 def _core_bwd(cfg, res, cts):
-  q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, U, hs, seq, first, last = res
+  q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first, last, dseg = res
   do, dht = cts
-  dhs, dvn, dh0 = kk.scan_bwd(cfg, q, k, G, W, P, do, dht.astype(jnp.float32), seq, first, last)
-  dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, q, k, v, beta, G, W, U, M, X, hs, dhs, dvn,
-                                                  do)
+  dhs, dvn, dh0 = kk.scan_bwd(cfg, qg, kg, G, W, P, do, dht.astype(jnp.float32), seq, first, last,
+                              dseg=dseg)
+  dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, q, k, v, beta, G, vn, M, X, hs, dhs, dvn,
+                                                  do, dseg=dseg)
   outs = kk.intra_bwd(cfg, q, k, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias)
   dq, dk, dg = outs[:3]
   if cfg.gate == "none":
@@ -65,10 +75,34 @@ def _core_bwd(cfg, res, cts):
     da = jnp.sum(outs[3], axis=(0, 1)).astype(a_log.dtype)
     ddt = jnp.sum(dg, axis=(0, 1)).astype(dt_bias.dtype)
   return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0, da, ddt, None, None,
-          None)
+          None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
+
+
+def _segment_inputs(segment_ids, g_pad, q, k, v, g, beta):
+  """Masks padding tokens to the identity and numbers the documents of each row.
+
+  Returns q, k, v, g, beta with padding zeroed (g set to `g_pad`, a zero log decay) and the running
+  document number [B, T] int32 (+1 at each token whose id differs from the previous non-padding
+  token's; the first document, and padding before it, is 0). The within-chunk numbering is taken
+  from it after padding to the chunk grid.
+  """
+  B, T = segment_ids.shape
+  seg = segment_ids.astype(jnp.int32)
+  real = seg > 0
+  pos = jnp.arange(T, dtype=jnp.int32)
+  last_real = lax.cummax(jnp.where(real, pos[None, :], -1), axis=1)
+  prev_real = jnp.concatenate([jnp.full((B, 1), -1, jnp.int32), last_real[:, :-1]], axis=1)
+  prev_id = jnp.take_along_axis(seg, jnp.maximum(prev_real, 0), axis=1)
+  starts = real & (prev_real >= 0) & (seg != prev_id)
+  doc = jnp.cumsum(starts.astype(jnp.int32), axis=1)
+  tok = real[:, :, None, None]
+  q, k, v = (jnp.where(tok, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
+  g = jnp.where(tok, g, jnp.asarray(g_pad, g.dtype))
+  beta = jnp.where(real[:, :, None], beta, jnp.zeros((), beta.dtype))
+  return q, k, v, g, beta, doc
 
 
 def _align(x, src, valid, pad_value):
@@ -80,7 +114,7 @@ def _align(x, src, valid, pad_value):
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm=False, cu_seqlens=None, segment_ids=None, chunk_size=64,
-              interpret=None, A_log=None, dt_bias=None, lower_bound=None):
+              interpret=None, A_log=None, dt_bias=None, lower_bound=None, tuning=None):
   """Chunked KDA (Kimi Delta Attention) on Pallas kernels.
 
   Args:
@@ -93,13 +127,18 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     output_final_state: also return the state after the last token of each sequence.
     use_qk_l2norm: L2-normalise q and k over K first (fp32, eps 1e-6 inside the square root).
     cu_seqlens: [N + 1] int32 offsets of packed sequences (B must be 1).
-    segment_ids: not supported by these kernels (must be None): pack with `cu_seqlens` instead.
+    segment_ids: [B, T] int, 0 = padding, 1, 2, ... documents: the state resets when the id
+      differs from that of the previous non-padding token; `initial_state` applies to the first
+      document of each row and the final state is the one at the end of each row. Padding tokens
+      leave the state unchanged and output zeros. May be traced.
     chunk_size: C, a multiple of 16 (16, 32, 64, ...; a power of two on GPU).
     interpret: run the Pallas interpreter; None = interpret on CPU, compile elsewhere.
     A_log: [H] fp32; fuses the gate into the kernel (see `lower_bound`).
     dt_bias: [H*K] or [H, K] fp32 gate bias (zeros if None); only with `A_log`.
     lower_bound: with `A_log`, g = lower_bound·sigmoid(exp(A_log)·(g + dt_bias)) (-5 recommended);
       None selects the unbounded g = -exp(A_log)·softplus(g + dt_bias).
+    tuning: `kernels.Tuning` launch parameters of the compiled kernels (None =
+      `kernels.default_tuning`).
 
   Returns:
     (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None).
@@ -124,8 +163,13 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
         raise ValueError(f"{name} must be a power of two >= 16 for the compiled GPU kernels; "
                          f"got {d}")
   if segment_ids is not None:
-    raise ValueError("segment_ids is not supported by pallas_kernels.kda.chunk_kda; pass packed "
-                     "sequences as cu_seqlens (B = 1) or use the XLA backend")
+    segment_ids = jnp.asarray(segment_ids)
+    if cu_seqlens is not None:
+      raise ValueError("pass at most one of cu_seqlens and segment_ids")
+    if segment_ids.shape != (B, T):
+      raise ValueError(f"segment_ids must be [B, T] = {(B, T)}; got {segment_ids.shape}")
+    if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+      raise ValueError(f"segment_ids must have an integer dtype; got {segment_ids.dtype}")
   if A_log is None:
     if dt_bias is not None or lower_bound is not None:
       raise ValueError("dt_bias and lower_bound apply to the fused gate only: pass A_log too")
@@ -160,6 +204,9 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
   # (raw gate input -inf for the fused gates, whose activation maps it to 0).
   g_pad = 0.0 if gate == "none" else -jnp.inf
 
+  dseg = None
+  if segment_ids is not None:
+    q, k, v, g, beta, dseg = _segment_inputs(segment_ids, g_pad, q, k, v, g, beta)
   if cu_seqlens is None:
     tp = -(-T // C) * C
     pad = tp - T
@@ -168,6 +215,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       q, k, v = jnp.pad(q, pad4), jnp.pad(k, pad4), jnp.pad(v, pad4)
       g = jnp.pad(g, pad4, constant_values=g_pad)
       beta = jnp.pad(beta, pad4[:3])
+      if dseg is not None:  # trailing padding continues the row's last document
+        dseg = jnp.pad(dseg, ((0, 0), (0, pad)), mode="edge")
     nt = tp // C
     cidx = jnp.arange(nt, dtype=jnp.int32)
     seq = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nt))
@@ -207,8 +256,15 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       kk.KernelConfig, chunk=C, scale=float(scale),
       mm_dtype=jnp.bfloat16 if low_precision else jnp.float32, gate=gate,
       lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
-      interpret=bool(interpret), state_dtype=jnp.bfloat16 if low_precision else jnp.float32)
-  args = (q, k, v, g, beta, h0, A_log, dt_bias, seq, first, last)
+      interpret=bool(interpret), state_dtype=jnp.bfloat16 if low_precision else jnp.float32,
+      segmented=dseg is not None,
+      tuning=kk.default_tuning(B * H, V) if tuning is None else tuning)
+  if dseg is not None:
+    # Documents numbered within each chunk relative to the token before it, so that 0 is the
+    # document the incoming state belongs to (a chunk that starts with a reset has no 0).
+    before = jnp.concatenate([jnp.zeros((B, 1), jnp.int32), dseg[:, C - 1:-1:C]], axis=1)
+    dseg = (dseg.reshape(B, -1, C) - before[:, :, None]).reshape(B, -1)
+  args = (q, k, v, g, beta, h0, A_log, dt_bias, seq, first, last, dseg)
   if gate == "bounded":
     o, ht = _core(make_cfg(exact_diag=-lower_bound > SAFE_GATE_BOUND), *args)
   elif gate == "softplus":

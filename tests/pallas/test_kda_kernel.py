@@ -10,6 +10,7 @@ import pytest
 
 from k3jax.ops.kda import kda_gate, l2_normalize, recurrent_kda
 from pallas_kernels.kda import chunk_kda
+from pallas_kernels.kda import kernels as kk
 
 
 def _ratio(a, b):
@@ -37,28 +38,36 @@ def _loss(o, ht, d):
   return jnp.sum(o.astype(jnp.float32) * d["do"]) + jnp.sum(ht * d["dht"])
 
 
-def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=None):
-  """Loss/grads of the kernel with the fused gate against the recurrence on kda_gate(...)."""
+def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=None,
+                   segment_ids=None, tuning=None):
+  """Loss/grads of the kernel with the fused gate against the recurrence on kda_gate(...).
+
+  With segment_ids, the kernel runs under jit with the ids traced."""
   names = ("q", "k", "v", "x", "beta", "h0", "A_log", "dt_bias")
 
-  def ref(q, k, v, x, beta, h0, a_log, dt):
+  def ref(q, k, v, x, beta, h0, a_log, dt, seg):
     g = kda_gate(x, a_log, dt, lower_bound=lower_bound)
     o, ht = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=h0,
-                          output_final_state=True, cu_seqlens=cu_seqlens)
+                          output_final_state=True, cu_seqlens=cu_seqlens, segment_ids=seg)
     return _loss(o, ht, d), (o, ht)
 
-  def pal(q, k, v, x, beta, h0, a_log, dt):
+  def pal(q, k, v, x, beta, h0, a_log, dt, seg):
     c = lambda t: t.astype(dtype)
     o, ht = chunk_kda(c(q), c(k), c(v), c(x), c(beta), initial_state=h0, output_final_state=True,
-                      use_qk_l2norm=True, cu_seqlens=cu_seqlens, chunk_size=chunk_size,
-                      A_log=a_log, dt_bias=dt, lower_bound=lower_bound)
+                      use_qk_l2norm=True, cu_seqlens=cu_seqlens, segment_ids=seg,
+                      chunk_size=chunk_size, A_log=a_log, dt_bias=dt, lower_bound=lower_bound,
+                      tuning=tuning)
     return _loss(o, ht, d), (o, ht)
 
   args = [d[n] for n in names]
   if dtype != jnp.float32:  # the reference sees the same rounded inputs
     args = [a.astype(dtype).astype(jnp.float32) if i < 5 else a for i, a in enumerate(args)]
+  args.append(segment_ids)
   g_ref, (o_ref, ht_ref) = jax.grad(ref, argnums=range(8), has_aux=True)(*args)
-  g_pal, (o_pal, ht_pal) = jax.grad(pal, argnums=range(8), has_aux=True)(*args)
+  grad_pal = jax.grad(pal, argnums=range(8), has_aux=True)
+  if segment_ids is not None:
+    grad_pal = jax.jit(grad_pal)
+  g_pal, (o_pal, ht_pal) = grad_pal(*args)
   assert o_pal.dtype == dtype and o_pal.shape == o_ref.shape
   errs = {"o": _ratio(o_pal, o_ref), "ht": _ratio(ht_pal, ht_ref)}
   errs.update({"d" + n: _ratio(a, b) for n, a, b in zip(names, g_pal, g_ref)})
@@ -114,6 +123,67 @@ def test_cu_seqlens_with_states_and_empty_sequence():
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
 
+def _segments(rows, T):
+  """[B, T] int32 segment ids from per-row lists of (id, length) runs, padded with 0 to T."""
+  out = np.zeros((len(rows), T), np.int32)
+  for b, runs in enumerate(rows):
+    t = 0
+    for sid, n in runs:
+      out[b, t:t + n] = sid
+      t += n
+  return jnp.asarray(out)
+
+
+SEGMENT_ROWS = [
+    # Padding inside a document (no reset), a reset exactly at the chunk boundary t = 32, two
+    # resets inside one chunk, an id that comes back after another (a new document), trailing
+    # padding.
+    [(1, 7), (0, 3), (1, 5), (2, 17), (3, 9), (4, 5), (3, 6), (0, 2), (5, 20), (0, 26)],
+    # Leading padding (the first document still continues the initial state), no reset for 40
+    # tokens, then short documents.
+    [(0, 5), (7, 40), (2, 1), (9, 3), (0, 4), (9, 8), (1, 39)],
+]
+
+
+def test_segment_ids_fp32_all_grads():
+  """segment_ids (traced, under jit) against the recurrence with the same ids; T = 100 is not a
+  multiple of the chunk (32)."""
+  d = _inputs(B=2, T=100, H=2, K=32, V=16, seed=6)
+  seg = _segments(SEGMENT_ROWS, 100)
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=32, segment_ids=seg)
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
+
+
+def test_fused_intra_wy_kernel_with_segments():
+  """`Tuning(fuse_wy=True)`: the block-inverse merge in registers (chunk 64 = 4 sub-tiles), with
+  resets inside chunks, against the recurrence."""
+  d = _inputs(B=2, T=100, H=1, K=32, V=16, seed=8)
+  seg = _segments(SEGMENT_ROWS, 100)
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
+                        tuning=kk.Tuning(fuse_wy=True))
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
+
+
+def test_segment_ids_exact_path_and_padding_outputs():
+  """Pre-activated g below -5 (exact diagonal tiles) with segments, chunk 16; outputs are zero at
+  padding and each row's final state is that of its last document."""
+  d = _inputs(B=2, T=100, H=1, K=16, V=16, seed=7)
+  seg = _segments(SEGMENT_ROWS, 100)
+  g = -8.0 * jax.nn.sigmoid(d["x"])
+  kw = dict(initial_state=d["h0"], output_final_state=True, segment_ids=seg)
+  o_p, ht_p = jax.jit(lambda s: chunk_kda(d["q"], d["k"], d["v"], g, d["beta"], chunk_size=16,
+                                          **dict(kw, segment_ids=s)))(seg)
+  o_r, ht_r = recurrent_kda(d["q"], d["k"], d["v"], g, d["beta"], **kw)
+  assert _ratio(o_p, o_r) <= 1e-5 and _ratio(ht_p, ht_r) <= 1e-5
+  assert np.all(np.asarray(o_p)[np.asarray(seg) == 0] == 0.0)
+  # Row 1's last document (id 1, 39 tokens) starts from zeros: h0 must not reach its final state.
+  _, ht_tail = recurrent_kda(d["q"][1:, 61:], d["k"][1:, 61:], d["v"][1:, 61:], g[1:, 61:],
+                             d["beta"][1:, 61:], output_final_state=True)
+  assert _ratio(ht_p[1:], ht_tail) <= 1e-5
+
+
 def test_saturated_bounded_gate():
   """x + dt_bias = +20 everywhere: g ≈ -5 every token, the factored tiles' worst case (e^75)."""
   d = _inputs(B=1, T=48, H=1, K=16, V=16, seed=4)
@@ -150,7 +220,10 @@ def test_bad_arguments():
   d = _inputs(B=1, T=16, H=1, K=16, V=16)
   q, k, v, x, beta = d["q"], d["k"], d["v"], d["x"], d["beta"]
   with pytest.raises(ValueError, match="segment_ids"):
-    chunk_kda(q, k, v, x, beta, segment_ids=jnp.ones((1, 16), jnp.int32))
+    chunk_kda(q, k, v, x, beta, segment_ids=jnp.ones((1, 15), jnp.int32))
+  with pytest.raises(ValueError, match="at most one"):
+    chunk_kda(q, k, v, x, beta, segment_ids=jnp.ones((1, 16), jnp.int32),
+              cu_seqlens=jnp.array([0, 16], jnp.int32))
   with pytest.raises(ValueError, match="A_log"):
     chunk_kda(q, k, v, x, beta, lower_bound=-5.0)
   with pytest.raises(ValueError, match="chunk_size"):
