@@ -226,3 +226,19 @@ def test_cli_sigterm_saves_and_resumes(tmp_path):
   assert f"resuming from step {last}" in out
   steps = [r["step"] for r in metrics_lib.read_jsonl(metrics) if r["kind"] == "train"]
   assert steps == list(range(1, last + 3))
+
+
+def test_qk_clip_shrinks_mla_query_key_weights_only_when_logits_exceed_tau():
+  def mla_params_after_step(*extra):
+    cfg, state, step_fn, batches = _one_step_setup(*extra)
+    state, _ = step_fn(state, batches[0])
+    return state.params["layer_1"]["mla"]
+  plain = mla_params_after_step()
+  loose = mla_params_after_step("OptimizerConfig.qk_clip_tau = 1e9")
+  tight = mla_params_after_step("OptimizerConfig.qk_clip_tau = 1e-4")
+  for name in plain:
+    np.testing.assert_array_equal(np.asarray(jax.tree.leaves(loose[name])[0]),
+                                  np.asarray(jax.tree.leaves(plain[name])[0]))
+  norm = lambda p, n: float(jnp.linalg.norm(jax.tree.leaves(p[n])[0]))
+  assert norm(tight, "wk_b") < 0.5 * norm(plain, "wk_b")
+  assert norm(tight, "wv_b") == pytest.approx(norm(plain, "wv_b"), rel=1e-6)

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers.common import RMSNorm, logical_param, normal_init, to_dtype
-from k3jax.ops.attention import attention
+from k3jax.ops.attention import attention, max_attention_logits
 
 # DeepSeek / Kimi use eps 1e-6 on the q_a / kv_a LoRA norms (notes/arch.md §2.1).
 LORA_NORM_EPS = 1e-6
@@ -110,6 +110,10 @@ class GatedMLA(nn.Module):
     else:
       k = k_nope
     v = jnp.einsum("btr,rhv->bthv", c_kv, w_uv)
+    if self.is_mutable_collection("attn_stats"):
+      # QK-Clip reads the per-head max logit; computed only when the trainer asks for it.
+      self.sow("attn_stats", "max_logits",
+               max_attention_logits(q, k, segment_ids=segment_ids, scale=scale))
     return attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
                      scale=scale, implementation=self.config.attention_impl)
 

@@ -224,3 +224,36 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   else:
     out = _attention_xla(q, k, v, mask, causal_square=causal_square, scale=scale, q_block=q_block)
   return out.astype(q.dtype)
+
+
+def max_attention_logits(q: jax.Array, k: jax.Array, *, segment_ids: Optional[jax.Array] = None,
+                         scale: Optional[float] = None, q_block: int = 512) -> jax.Array:
+  """Per-head max of the causal, same-document attention logits (QK-Clip's S_max), no gradient.
+
+  q [B,T,H,D], k [B,T,H,D] (self-attention), segment_ids [B,T] (0 = padding) or None.
+  Returns [H] float32. Queries are processed in blocks of `q_block` so memory stays O(B·q_block·T·H).
+  """
+  if q.shape != k.shape:
+    raise ValueError(f"q and k must have the same shape [B,T,H,D], got {q.shape} and {k.shape}")
+  b, t, h, d = q.shape
+  scale = d ** -0.5 if scale is None else scale
+  q = jax.lax.stop_gradient(q).astype(jnp.float32) * scale
+  k = jax.lax.stop_gradient(k).astype(jnp.float32)
+  seg = jnp.ones((b, t), jnp.int32) if segment_ids is None else segment_ids
+  q_block = min(q_block, t)
+  n = -(-t // q_block)
+  pad = n * q_block - t
+  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))).reshape(b, n, q_block, h, d).swapaxes(0, 1)
+  sp = jnp.pad(seg, ((0, 0), (0, pad))).reshape(b, n, q_block).swapaxes(0, 1)
+  kv_pos = jnp.arange(t)
+
+  def one(args):
+    qb, sb, start = args
+    logits = jnp.einsum("bqhd,bshd->bhqs", qb, k, precision=jax.lax.Precision.HIGHEST)
+    q_pos = start + jnp.arange(q_block)
+    ok = (kv_pos[None, None, :] <= q_pos[None, :, None]) & (sb[:, :, None] == seg[:, None, :]) & \
+        (sb[:, :, None] != 0)
+    return jnp.max(jnp.where(ok[:, None], logits, -jnp.inf), axis=(0, 2, 3))
+
+  per_block = jax.lax.map(one, (qp, sp, jnp.arange(n) * q_block))
+  return jnp.max(per_block, axis=0)

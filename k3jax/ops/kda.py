@@ -413,26 +413,11 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
   # start, for the document carried in): a cumsum that restarts at documents, as a masked sum.
   gs = jnp.einsum("bxnij,bhnjk->bhnik", pair_incl.astype(f32), gc,
                   precision=_HIGHEST)                                   # [B, H, NC, C, K]
-  # Pairwise log decays G_i − G_j = Σ_{j<t≤i} g_t, summed directly rather than as a difference of
-  # cumsums: with unbounded gates the cumsums reach thousands and their difference would lose the
-  # small decays that matter to cancellation. All partial sums share one sign, so this is accurate
-  # relative to the result.
-  between = np.tril(np.ones((C, C), np.float32))[:, None, :] * np.triu(
-      np.ones((C, C), np.float32), 1)[None, :, :]                        # [i, j, t]: j < t ≤ i
-  diff = jnp.einsum("ijt,bhntk->bhnijk", jnp.asarray(between), gc,
-                    precision=_HIGHEST)                                 # [B, H, NC, C, C, K]
-  # exp(G_i − G_j) over same-document causal pairs; the exponent is masked *before* exp, so masked
-  # pairs never overflow and their gradient is exactly zero.
-  pmask = pair_incl[..., None]
-  decay = jnp.where(pmask, jnp.exp(jnp.where(pmask, diff, 0.0)), 0.0)
-  k_decayed = decay * kc[..., None, :, :]                               # [B, H, NC, C, C, K]
-  a_qk = jnp.sum(qc[..., :, None, :] * k_decayed, axis=-1)              # [B, H, NC, C, C]
-  a_kk = jnp.sum(kc[..., :, None, :] * k_decayed, axis=-1)
+  a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict)
   lower = jnp.where(pair_strict, bc[..., :, None] * a_kk, 0.0)
-  eye = jnp.eye(C, dtype=f32)
   # (I + L)^{-1} diag(β) applied to exp(G)·k and to v: the WY factors w and u.
-  solve = lambda rhs: jax.lax.linalg.triangular_solve(eye + lower, rhs, left_side=True, lower=True,
-                                                      unit_diagonal=True)
+  inverse = _unit_lower_inverse(lower)
+  solve = lambda rhs: jnp.einsum("...ij,...jx->...ix", inverse, rhs, precision=_HIGHEST)
   w = solve(bc[..., None] * jnp.exp(gs) * kc)                           # [B, H, NC, C, K]
   u = solve(bc[..., None] * vc)                                         # [B, H, NC, C, V]
   qg = qc * jnp.exp(gs)
@@ -440,7 +425,11 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
   # Decay from each token to the chunk's end, for the chunk's last document only (the one whose
   # state is carried on).
   g_last = gs[..., -1, :]                                               # [B, H, NC, K]
-  k_to_end = decay[..., -1, :, :] * kc                                  # [B, H, NC, C, K]
+  # Σ_{j<t≤C} g_t summed directly (one sign, so accurate for any gate), for the last document only.
+  to_end = jnp.einsum("jt,bhntk->bhnjk", jnp.asarray(np.triu(np.ones((C, C), np.float32), 1)), gc,
+                      precision=_HIGHEST)
+  last_doc = pair_incl[..., -1, :, None]                                # [B, 1, NC, C, 1]
+  k_to_end = jnp.where(last_doc, jnp.exp(jnp.where(last_doc, to_end, 0.0)), 0.0) * kc
   continues = lab == lab_in[..., None]                                  # [B, NC, C]
   last_continues = continues[..., -1]                                   # [B, NC]
 
@@ -492,17 +481,17 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
     return o, None
   if not packed:
     return o, final_state
-  return o, _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gs, decay, lab_in, v_new,
-                                 states_in)
+  return o, _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gc, gs, lab, lab_in,
+                                 v_new, states_in)
 
 
-def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gs, decay, lab_in, v_new,
+def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gc, gs, lab, lab_in, v_new,
                          states_in):
   """State at each packed sequence's last token, from the states entering each chunk.
 
   Sequence n ends at token e = cu[n+1] − 1 in chunk c = e // C; its state there is the decayed start
-  state of the sequence in that chunk plus the writes of its tokens in c up to e. Shapes: kc, gs
-  [1, H, NC, C, K]; decay [1, H, NC, C, C, K] (masked to same-document causal pairs); lab_in [1, NC];
+  state of the sequence in that chunk plus the writes of its tokens in c up to e. Shapes: kc, gc
+  (raw log decays), gs (in-document cumsum) [1, H, NC, C, K]; lab [1, NC, C]; lab_in [1, NC];
   v_new [NC, 1, H, C, V]; states_in [NC, 1, H, K, V].
   Returns [N, H, K, V] float32.
   """
@@ -512,13 +501,90 @@ def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gs, decay, lab_
   empty = cu[1:] <= cu[:-1]
   chunk, pos = end // C, end % C                                        # [N]
   k_n = jnp.moveaxis(kc[0][:, chunk], 1, 0)                             # [N, H, C, K]
+  g_n = jnp.moveaxis(gc[0][:, chunk], 1, 0)                             # [N, H, C, K]
   vnew_n = v_new[chunk, 0]                                              # [N, H, C, V]
   g_end = jnp.moveaxis(gs[0][:, chunk, pos], 1, 0)                      # [N, H, K]
-  # Row e of the decays covers exactly the tokens of sequence n in chunk c up to e.
-  k_to_end = jnp.moveaxis(decay[0][:, chunk, pos], 1, 0) * k_n          # [N, H, C, K]
+  # Decay from token j to e: Σ_{j<t≤e} g_t summed directly, for tokens j ≤ e of sequence n.
+  idx = jnp.arange(C)
+  between = (idx[None, :, None] < idx[None, None, :]) & (idx[None, None, :] <= pos[:, None, None])
+  to_end = jnp.einsum("njt,nhtk->nhjk", between.astype(jnp.float32), g_n, precision=_HIGHEST)
+  mine = ((lab[0, chunk] == seq_label[:, None]) & (idx[None, :] <= pos[:, None]))[:, None, :, None]
+  k_to_end = jnp.where(mine, jnp.exp(jnp.where(mine, to_end, 0.0)), 0.0) * k_n   # [N, H, C, K]
   fresh = jnp.zeros_like(states_in[0, 0])[None] if h0 is None else h0   # [N or 1, H, K, V]
   carried = lab_in[0, chunk] == seq_label
   start = jnp.where(carried[:, None, None, None], states_in[chunk, 0], fresh)
   state = jnp.exp(g_end)[..., None] * start + jnp.einsum(
       "nhck,nhcv->nhkv", k_to_end, vnew_n, precision=_HIGHEST)
   return jnp.where(empty[:, None, None, None], jnp.broadcast_to(fresh, state.shape), state)
+
+
+_SUB = 16  # sub-tile of the intra-chunk decays
+
+
+def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
+  """(I + L)^{-1} for strictly lower-triangular L [..., C, C], by matmuls only.
+
+  L is nilpotent (L^C = 0), so (I + L)^{-1} = Σ_n (−L)^n = Π_{i<log2 C} (I + (−L)^{2^i}): log2(C)
+  squarings and products instead of a sequential substitution (which also keeps XLA:CPU off its
+  LAPACK triangular-solve call).
+  """
+  C = lower.shape[-1]
+  eye = jnp.eye(C, dtype=lower.dtype)
+  power = -lower
+  inverse = eye + power
+  span = 2
+  while span < C:
+    power = jnp.einsum("...ij,...jk->...ik", power, power, precision=_HIGHEST)
+    inverse = inverse + jnp.einsum("...ij,...jk->...ik", inverse, power, precision=_HIGHEST)
+    span *= 2
+  return inverse
+
+
+def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict):
+  """The chunk's decayed score matrices, exact for any gate g ≤ 0 and O(C²·K) per chunk.
+
+  a_qk[i, j] = Σ_d q_id k_jd exp(G_id − G_jd) over same-document pairs j ≤ i, and a_kk the same
+  with k for q over j < i. The log decay G_i − G_j = Σ_{j<t≤i} g_t is split at 16-token sub-tiles:
+  for j in an earlier sub-tile, (sum from the query tile's start to i) + (whole tiles in between) +
+  (sum from j+1 to the end of j's tile); all three are sums of one sign, so nothing cancels, each
+  factor is ≤ 1, and the product is a plain matmul of q·exp(·) with k·exp(·). Pairs inside one
+  sub-tile sum their 16-token stretch directly. Shapes: qc, kc, gc [B, H, NC, C, K];
+  pair_incl / pair_strict [B, 1, NC, C, C] bool. Returns two [B, H, NC, C, C] float32 arrays.
+  """
+  B, H, NC, C, K = qc.shape
+  S = _SUB
+  n = C // S
+  blocks = lambda x: x.reshape(B, H, NC, n, S, K)
+  qb, kb, gb = blocks(qc), blocks(kc), blocks(gc)
+  ones = np.ones((S, S), np.float32)
+  prefix = jnp.einsum("st,zhcatk->zhcask", jnp.asarray(np.tril(ones)), gb, precision=_HIGHEST)
+  suffix = jnp.einsum("st,zhcatk->zhcask", jnp.asarray(np.triu(ones, 1)), gb, precision=_HIGHEST)
+  totals = jnp.sum(gb, axis=-2)                                          # [B, H, NC, n, K]
+  nb = np.arange(n)
+  strictly_between = ((nb[None, None, :] > nb[None, :, None]) &
+                      (nb[None, None, :] < nb[:, None, None])).astype(np.float32)  # [a, b, c]
+  gap = jnp.einsum("abx,zhcxk->zhcabk", jnp.asarray(strictly_between), totals, precision=_HIGHEST)
+  earlier = jnp.asarray(nb[None, :] < nb[:, None])[:, :, None, None]     # [a, b, 1, 1]
+  key_exp = jnp.where(earlier, gap[..., None, :] + suffix[:, :, :, None], 0.0)  # [B,H,NC,a,b,S,K]
+  key_fac = jnp.where(earlier, jnp.exp(key_exp), 0.0) * kb[:, :, :, None]
+  qexp, kexp = qb * jnp.exp(prefix), kb * jnp.exp(prefix)
+  off_qk = jnp.einsum("zhcask,zhcabtk->zhcasbt", qexp, key_fac, precision=_HIGHEST)
+  off_kk = jnp.einsum("zhcask,zhcabtk->zhcasbt", kexp, key_fac, precision=_HIGHEST)
+  # Inside one sub-tile: Σ_{t<u≤s} g_u for t ≤ s, summed directly.
+  si = np.arange(S)
+  within = ((si[None, :, None] < si[None, None, :]) &
+            (si[None, None, :] <= si[:, None, None])).astype(np.float32)  # [s, t, u]
+  causal = jnp.asarray(np.tril(ones, 0) > 0)[..., None]
+  diag_exp = jnp.einsum("stu,zhcauk->zhcastk", jnp.asarray(within), gb, precision=_HIGHEST)
+  diag_dec = jnp.where(causal, jnp.exp(jnp.where(causal, diag_exp, 0.0)), 0.0)
+  diag_qk = jnp.einsum("zhcask,zhcastk,zhcatk->zhcast", qb, diag_dec, kb, precision=_HIGHEST)
+  diag_kk = jnp.einsum("zhcask,zhcastk,zhcatk->zhcast", kb, diag_dec, kb, precision=_HIGHEST)
+  same_tile = jnp.asarray(np.eye(n, dtype=bool))[:, None, :, None]       # [a, 1, b, 1]
+
+  def assemble(off, diag):
+    full = off + jnp.where(same_tile, diag[:, :, :, :, :, None, :], 0.0)  # [B,H,NC,a,s,b,t]
+    return full.reshape(B, H, NC, C, C)
+
+  a_qk = jnp.where(pair_incl, assemble(off_qk, diag_qk), 0.0)
+  a_kk = jnp.where(pair_strict, assemble(off_kk, diag_kk), 0.0)
+  return a_qk, a_kk

@@ -116,3 +116,23 @@ def test_bad_inputs_raise():
   if jax.default_backend() != "gpu":
     with pytest.raises(ValueError, match="cudnn"):
       attention(q, k, v, causal=False, implementation="cudnn")
+
+
+def test_max_attention_logits_matches_naive_masked_max():
+  from k3jax.ops.attention import max_attention_logits
+  rng = np.random.default_rng(7)
+  b, t, h, d = 2, 37, 3, 8
+  q = rng.normal(size=(b, t, h, d)).astype(np.float32)
+  k = rng.normal(size=(b, t, h, d)).astype(np.float32)
+  seg = np.ones((b, t), np.int32)
+  seg[0, 20:] = 2
+  seg[1, 30:] = 0
+  want = np.full(h, -np.inf)
+  for bi in range(b):
+    for i in range(t):
+      for j in range(i + 1):
+        if seg[bi, i] != 0 and seg[bi, i] == seg[bi, j]:
+          want = np.maximum(want, (q[bi, i] * k[bi, j]).sum(-1) * 0.5)
+  got = max_attention_logits(jnp.asarray(q), jnp.asarray(k), segment_ids=jnp.asarray(seg),
+                             scale=0.5, q_block=8)
+  np.testing.assert_allclose(got, want, rtol=1e-5)
