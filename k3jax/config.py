@@ -88,6 +88,10 @@ class ModelConfig:
   moe_routed_scale: float = 1.0
   moe_balance: str = "quantile"   # quantile | loss_free | aux_loss | none
   moe_qb_rate: float = 1.0        # rho in b <- b - rho * t
+  # 'per_expert': each expert's bar is the score it must beat to enter the token's top-k (k-th
+  # largest for outsiders, (k+1)-th for chosen); 'token': the spec's single (k+1)-th-largest cutoff.
+  moe_qb_cutoff: str = "per_expert"
+  moe_qb_histogram_bins: int = 0  # 0: exact sort-based quantile; >0: all-reduced histograms
   moe_qb_interval: int = 1        # update the QB bias every N steps
   moe_loss_free_rate: float = 1e-3
   moe_aux_loss_coef: float = 1e-2
@@ -145,6 +149,10 @@ class ModelConfig:
              "a positive integer when moe_num_shared > 0", self.moe_shared_dim)
       _check(0.0 < self.moe_qb_rate <= 1.0, p + "moe_qb_rate", "a float in (0, 1]",
              self.moe_qb_rate)
+      _check(self.moe_qb_cutoff in ("per_expert", "token"), p + "moe_qb_cutoff",
+             "one of ('per_expert', 'token')", self.moe_qb_cutoff)
+      _check(self.moe_qb_histogram_bins == 0 or self.moe_qb_histogram_bins >= 2,
+             p + "moe_qb_histogram_bins", "0 (exact) or an integer >= 2", self.moe_qb_histogram_bins)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
       _check(self.first_k_dense < self.num_layers, p + "first_k_dense",
@@ -260,7 +268,10 @@ class StagesConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh: `axes` like 'data:2,expert:4'; empty means all devices on `data`."""
+  """Device mesh: `axes` like 'data:2,expert:4' (sizes multiply to the device count).
+
+  Empty: a single-device run (no mesh). Outside the MoE the expert axis also shards the batch.
+  """
   axes: str = ""
 
   def validate(self) -> None:

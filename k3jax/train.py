@@ -37,9 +37,11 @@ from flax import struct
 
 from k3jax import checkpoint as checkpoint_lib
 from k3jax import config as config_lib
+from k3jax import distributed
 from k3jax import metrics as metrics_lib
 from k3jax import optim
 from k3jax import plots
+from k3jax import sharding as sharding_lib
 from k3jax.data import packing
 from k3jax.data import synthetic
 from k3jax.data.corpus import load_corpus
@@ -180,6 +182,32 @@ def _check_vocab(cfg: config_lib.Config, tokenizer) -> None:
 def stage_ends(stages_cfg: config_lib.StagesConfig) -> list[int]:
   """Global step counts at which each stage is complete."""
   return [int(x) for x in np.cumsum([n for _, n in stages_cfg.stages])]
+
+
+def make_run_mesh(cfg: config_lib.Config):
+  """The run's device mesh, or None for a single-device run (MeshConfig.axes empty).
+
+  Raises ConfigError when the mesh does not fit the devices or a stage's batch does not split over
+  the batch axes (data x expert).
+  """
+  if not cfg.mesh.axes:
+    return None
+  try:
+    mesh = sharding_lib.make_mesh(cfg.mesh.axes)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"MeshConfig.axes / --mesh: {e}") from e
+  shards = math.prod(mesh.shape[a] for a in sharding_lib.BATCH_AXES)
+  for i, (seq_len, _) in enumerate(cfg.stages.stages):
+    if cfg.stages.batch_size(i) % shards:
+      raise config_lib.ConfigError(
+          f"StagesConfig.stages: stage {i} (seq_len {seq_len}) has batch "
+          f"{cfg.stages.batch_size(i)}, which the mesh {cfg.mesh.axes!r} cannot split over its "
+          f"{shards} batch shards; raise StagesConfig.tokens_per_step or use fewer devices")
+  if cfg.model.moe_num_experts % mesh.shape["expert"]:
+    raise config_lib.ConfigError(
+        f"ModelConfig.moe_num_experts = {cfg.model.moe_num_experts} must be divisible by the mesh's "
+        f"expert axis ({mesh.shape['expert']})")
+  return mesh
 
 
 def mesh_size(mesh_cfg: config_lib.MeshConfig) -> int:
@@ -351,9 +379,15 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   data = make_data(cfg)
   model = K3Model(cfg.model)
   state, optimizer, schedule = init_train_state(cfg, total_steps)
-  # Mesh: `cfg.mesh` is parsed and validated; k3jax/sharding.py will supply the state and batch
-  # shardings for make_train_step (and place `state` accordingly). Until then: one device.
-  train_step = make_train_step(cfg, model, optimizer, schedule)
+  mesh = make_run_mesh(cfg)
+  if mesh is None:
+    train_step = make_train_step(cfg, model, optimizer, schedule)
+  else:
+    abstract_vars = jax.eval_shape(
+        lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, scfg.stages[0][0]))
+    state, state_sh = sharding_lib.shard_train_state(state, abstract_vars, mesh)
+    train_step = make_train_step(cfg, model, optimizer, schedule, state_shardings=state_sh,
+                                 batch_shardings=sharding_lib.batch_sharding(mesh))
   evaluator = Evaluator(cfg, model, data)
 
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
@@ -368,6 +402,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
     state = TrainState(step=jnp.asarray(start, jnp.int32), params=restored["params"],
                        opt_state=restored["opt_state"], moe_state=restored["moe_state"],
                        rng=restored["rng"])
+    if mesh is not None:
+      state = jax.device_put(state, state_sh)
     print(f"resuming from step {start} (stage {scfg.stage_at(max(start - 1, 0))})")
   write_config(workdir, cfg)
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start, tensorboard=tensorboard)
@@ -395,8 +431,15 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
         stage = scfg.stage_at(step)
         seq_len = scfg.stages[stage][0]
         batch = next(iterator)
-        state, m = train_step(state, {k: jnp.asarray(batch[k]) for k in
-                                      ("inputs", "targets", "segment_ids", "loss_mask")})
+        batch = {k: batch[k] for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+        if mesh is None:
+          state, m = train_step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+        else:
+          # Traced inside the mesh context, so the MoE takes its expert-parallel path.
+          rows = sharding_lib.local_batch_rows(mesh, scfg.batch_size(stage))
+          with sharding_lib.with_mesh(mesh):
+            state, m = train_step(state, sharding_lib.shard_batch(
+                {k: v[rows] for k, v in batch.items()}, mesh))
         m = jax.device_get(m)
         step += 1
         if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
@@ -484,6 +527,7 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   FLAGS = flags.FLAGS
+  distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   try:
     cfg = config_from_flags(FLAGS.gin_file or [], FLAGS.gin_bindings or [], FLAGS.mesh)
     if FLAGS.max_steps is not None and FLAGS.max_steps < 0:
@@ -509,6 +553,10 @@ def define_flags():
                       required=True)
   flags.DEFINE_integer("max_steps", None, "Stop after this global step (with a checkpoint).")
   flags.DEFINE_string("mesh", "", "Device mesh, e.g. 'data:2,expert:4' (sets MeshConfig.axes).")
+  flags.DEFINE_string("coordinator_address", None, "Multi-host: host:port of process 0 (else from "
+                      "JAX_COORDINATOR_ADDRESS / SLURM / Open MPI; see README).")
+  flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
+  flags.DEFINE_integer("process_id", None, "Multi-host: this process's index.")
   flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for the MFU estimate "
                      "(0: a default by backend).")
   flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")

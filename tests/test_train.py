@@ -242,3 +242,25 @@ def test_qk_clip_shrinks_mla_query_key_weights_only_when_logits_exceed_tau():
   norm = lambda p, n: float(jnp.linalg.norm(jax.tree.leaves(p[n])[0]))
   assert norm(tight, "wk_b") < 0.5 * norm(plain, "wk_b")
   assert norm(tight, "wv_b") == pytest.approx(norm(plain, "wv_b"), rel=1e-6)
+
+
+@pytest.mark.slow
+def test_training_losses_equal_on_every_mesh(tmp_path):
+  """A few steps on meshes (data 8), (data 2, expert 4), (expert 8) give the single-device losses."""
+  extra = ("StagesConfig.tokens_per_step = 256", "EvalConfig.passkey_multipliers = ()",
+           "ModelConfig.moe_num_experts = 8")
+  losses = {}
+  for axes in ("", "data:8", "data:2,expert:4", "expert:8"):
+    cfg = tiny_config(*extra, f"MeshConfig.axes = '{axes}'")
+    workdir = str(tmp_path / (axes.replace(":", "").replace(",", "_") or "single"))
+    train_lib.train(cfg, workdir, max_steps=3, progress=False, tensorboard=False)
+    losses[axes] = [l for _, l in sorted(_train_losses(workdir).items())]
+  assert len(losses[""]) == 3
+  for axes, got in losses.items():
+    np.testing.assert_allclose(got, losses[""], rtol=1e-5, err_msg=axes)
+
+
+def test_mesh_that_cannot_split_the_batch_is_a_config_error():
+  cfg = tiny_config("MeshConfig.axes = 'data:8'")   # stage batches are 4 and 2
+  with pytest.raises(config_lib.ConfigError, match="StagesConfig.stages"):
+    train_lib.make_run_mesh(cfg)

@@ -28,7 +28,8 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers import common
 from k3jax.layers.ffn import SiTUGLU
-from k3jax.ops.moe import routed_experts
+from k3jax.ops.moe import QB_CUTOFFS, qb_margins
+from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
 
 
 def _check_scores_bias(fn: str, scores: jax.Array, bias: jax.Array, top_k: int) -> None:
@@ -121,14 +122,7 @@ def quantile_balance_thresholds(scores: jax.Array, bias: jax.Array, top_k: int,
   rows, n = scores.shape
   valid = _valid_rows(fn, mask, rows)
   biased = scores.astype(jnp.float32) + bias.astype(jnp.float32)
-  # Masked reductions instead of slicing columns k-1 and k: XLA:CPU turns a sliced top_k into a full
-  # sort (20x slower).
-  top = jax.lax.top_k(biased, top_k + 1)[0]                             # [tokens, k+1] descending
-  bar = jnp.min(top, axis=-1, keepdims=True)                            # (k+1)-th largest
-  if cutoff == "per_expert":
-    kth = jnp.min(jnp.where(jnp.arange(top_k + 1) < top_k, top, jnp.inf), axis=-1, keepdims=True)
-    bar = jnp.where(biased >= kth, bar, kth)
-  margin = jnp.where(valid[:, None], biased - bar, -jnp.inf)
+  margin = jnp.where(valid[:, None], qb_margins(biased, top_k, cutoff), -jnp.inf)
   num_valid = jnp.sum(valid).astype(jnp.float32)
   q = num_valid * top_k / n
   # Only the top ⌊q⌋+2 margins per column are needed; bound that statically by the row count.
@@ -262,11 +256,10 @@ class LatentMoE(nn.Module):
   scalar, 'aux_loss' scalar (unscaled, only for moe_balance == 'aux_loss'; the trainer multiplies
   by moe_aux_loss_coef) and 'dropped' int32 scalar (only when moe_capacity_factor > 0).
 
-  qb_cutoff: the `cutoff` of `quantile_balance_update` ('token' = the spec). A module attribute
-  until ModelConfig gets a field for it.
+  Balancing options: moe_balance, moe_qb_cutoff, moe_qb_rate, moe_qb_histogram_bins (0: exact
+  sort-based quantile; > 0: quantile from per-expert histograms, as across hosts).
   """
   config: ModelConfig
-  qb_cutoff: str = "token"
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None, *,
@@ -317,7 +310,8 @@ class LatentMoE(nn.Module):
                                 ("expert", latent_axis, "mlp"), init, param_dtype)
     w_out = common.logical_param(self, "w_out", (num_experts, hidden, latent),
                                  ("expert", "mlp", latent_axis), init, param_dtype)
-    routed, stats = routed_experts(
+    # Expert-parallel (all-to-all) when the active mesh has an expert axis > 1, else local.
+    routed, stats = routed_experts_auto(
         z.reshape(tokens, latent), expert_idx, weights, w_gate, w_up, w_out,
         beta1=cfg.situ_beta1, beta2=cfg.situ_beta2, capacity_factor=cfg.moe_capacity_factor,
         valid=valid)
@@ -341,8 +335,13 @@ class LatentMoE(nn.Module):
         _sow_value(self, "dropped", stats["dropped"])
       if update_balance:
         if cfg.moe_balance == "quantile":
-          bias_var.value = quantile_balance_update(jax.lax.stop_gradient(scores), bias, k, valid,
-                                                   rate=cfg.moe_qb_rate, cutoff=self.qb_cutoff)
+          if cfg.moe_qb_histogram_bins > 0:
+            bias_var.value = quantile_balance_update_histogram(
+                jax.lax.stop_gradient(scores), bias, k, valid, bins=cfg.moe_qb_histogram_bins,
+                rate=cfg.moe_qb_rate, cutoff=cfg.moe_qb_cutoff)
+          else:
+            bias_var.value = quantile_balance_update(jax.lax.stop_gradient(scores), bias, k, valid,
+                                                     rate=cfg.moe_qb_rate, cutoff=cfg.moe_qb_cutoff)
         elif cfg.moe_balance == "loss_free":
           bias_var.value = loss_free_bias_update(load, bias, cfg.moe_loss_free_rate)
     return y

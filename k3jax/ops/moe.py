@@ -195,3 +195,26 @@ def routed_experts(
   y = jnp.einsum("nkl,nk->nl", y_assign, expert_weight.astype(jnp.float32))
   stats = {"load": group_sizes.astype(jnp.float32), "dropped": dropped}
   return y.astype(dtype), stats
+
+
+QB_CUTOFFS = ("per_expert", "token")
+
+
+def qb_margins(biased: jax.Array, top_k: int, cutoff: str) -> jax.Array:
+  """Quantile Balancing margins M_ij = (s_ij + b_j) − bar_ij for biased scores [tokens, experts].
+
+  cutoff='token' (the spec's wording): bar_ij = the token's (k+1)-th largest biased score for every
+  expert. cutoff='per_expert': that bar for the experts the token chose, and its k-th largest for
+  the others, i.e. exactly the score each expert must beat to enter the token's top-k (an outsider
+  must displace the weakest chosen expert). Returns fp32 [tokens, experts].
+  """
+  if cutoff not in QB_CUTOFFS:
+    raise ValueError(f"cutoff={cutoff!r} must be one of {QB_CUTOFFS}")
+  # Masked reductions instead of slicing columns k-1 and k: XLA:CPU turns a sliced top_k into a full
+  # sort (20x slower).
+  top = jax.lax.top_k(biased, top_k + 1)[0]                             # [tokens, k+1] descending
+  bar = jnp.min(top, axis=-1, keepdims=True)                            # (k+1)-th largest
+  if cutoff == "per_expert":
+    kth = jnp.min(jnp.where(jnp.arange(top_k + 1) < top_k, top, jnp.inf), axis=-1, keepdims=True)
+    bar = jnp.where(biased >= kth, bar, kth)
+  return biased - bar

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.ops.moe import RaggedDotFn, _check_shapes, routed_experts, situ_glu
+from k3jax.ops.moe import RaggedDotFn, _check_shapes, qb_margins, routed_experts, situ_glu
 from k3jax.sharding import BATCH_AXES
 
 EXPERT_AXIS = "expert"
@@ -265,7 +265,8 @@ def _reduce(x, op: str, axis_name):
 
 def histogram_quantile_thresholds(scores: jax.Array, bias: jax.Array, top_k: int,
                                   mask: Optional[jax.Array] = None, axis_name=None,
-                                  bins: int = 1024) -> tuple[jax.Array, jax.Array, jax.Array]:
+                                  bins: int = 1024,
+                                  cutoff: str = "token") -> tuple[jax.Array, jax.Array, jax.Array]:
   """Per-expert QB thresholds t_j from histograms of the margins (see `quantile_balance_update`).
 
   Margins M_ij = s_ij + b_j − c_i (c_i = the (k+1)-th largest biased score of token i), valid tokens
@@ -302,8 +303,7 @@ def histogram_quantile_thresholds(scores: jax.Array, bias: jax.Array, top_k: int
 
   b = bias.astype(jnp.float32)
   biased = scores.astype(jnp.float32) + b
-  cutoff = jax.lax.top_k(biased, top_k + 1)[0][:, top_k]
-  margin = biased - cutoff[:, None]                                           # [tokens, E]
+  margin = qb_margins(biased, top_k, cutoff)                                  # [tokens, E]
   lo = _reduce(jnp.min(jnp.where(valid[:, None], margin, jnp.inf), axis=0), "min", axis_name)
   hi = _reduce(jnp.max(jnp.where(valid[:, None], margin, -jnp.inf), axis=0), "max", axis_name)
   num_valid = _reduce(jnp.sum(valid).astype(jnp.float32), "sum", axis_name)
@@ -336,7 +336,8 @@ def histogram_quantile_thresholds(scores: jax.Array, bias: jax.Array, top_k: int
 
 def quantile_balance_update_histogram(scores: jax.Array, bias: jax.Array, top_k: int,
                                       mask: Optional[jax.Array] = None, axis_name=None,
-                                      bins: int = 1024, rate: float = 1.0) -> jax.Array:
+                                      bins: int = 1024, rate: float = 1.0,
+                                      cutoff: str = "token") -> jax.Array:
   """`k3jax.layers.moe.quantile_balance_update` from all-reduced per-expert margin histograms.
 
   Same contract (new centred bias [E] fp32, unchanged when no token is valid), plus `axis_name`
@@ -348,7 +349,7 @@ def quantile_balance_update_histogram(scores: jax.Array, bias: jax.Array, top_k:
   if isinstance(rate, numbers.Real) and not 0.0 < rate <= 1.0:
     raise ValueError(f"quantile_balance_update_histogram: rate={rate} must be in (0, 1]")
   threshold, _, num_valid = histogram_quantile_thresholds(scores, bias, top_k, mask, axis_name,
-                                                          bins)
+                                                          bins, cutoff)
   b = bias.astype(jnp.float32)
   new_bias = b - rate * threshold
   new_bias = new_bias - jnp.mean(new_bias)

@@ -157,7 +157,8 @@ def test_latent_moe_padding_state_and_update():
   _, new = _apply(layer, variables, x, mask, True, ("moe_state", "moe_stats"))
   params = nn.unbox(variables["params"])
   scores = jax.nn.sigmoid(x.reshape(-1, 16) @ params["router"]["kernel"])
-  expected = quantile_balance_update(scores, jnp.zeros(8), 2, mask.reshape(-1), cfg.moe_qb_rate)
+  expected = quantile_balance_update(scores, jnp.zeros(8), 2, mask.reshape(-1), cfg.moe_qb_rate,
+                                     cutoff=cfg.moe_qb_cutoff)
   np.testing.assert_allclose(np.asarray(new["moe_state"]["bias"]), np.asarray(expected), atol=1e-6)
   # Without update_balance the state is untouched; loss-free writes its sign step.
   _, same = _apply(layer, variables, x, mask, False, ("moe_state", "moe_stats"))

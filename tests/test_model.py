@@ -1,0 +1,110 @@
+"""The whole K3 decoder: parameter counts, AttnRes ≡ PreNorm at init, packing, causality, gradients."""
+
+import dataclasses
+import os
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import config as config_lib
+from k3jax.model import K3Model, count_params, init_variables
+
+GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
+
+
+def tiny_cfg(**overrides) -> config_lib.ModelConfig:
+  base = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
+  cfg = dataclasses.replace(base, kda_chunk_size=16, **overrides)
+  cfg.validate()
+  return cfg
+
+
+def err_ratio(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
+
+
+def test_published_parameter_counts():
+  k3 = config_lib.from_gin([os.path.join(GIN_DIR, "k3.gin")]).model
+  total, active = count_params(k3)
+  assert abs(total / 2.8e12 - 1) < 0.03, total
+  assert abs(active / 104e9 - 1) < 0.03, active
+  kl = config_lib.from_gin([os.path.join(GIN_DIR, "kimi_linear_48b.gin")]).model
+  total, active = count_params(kl)
+  assert abs(total / 48e9 - 1) < 0.04, total
+  assert abs(active / 3e9 - 1) < 0.03, active
+
+
+def test_attnres_with_zero_queries_equals_prenorm_residual_network():
+  cfg = tiny_cfg()
+  tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
+  variables = nn.meta.unbox(K3Model(cfg).init(jax.random.PRNGKey(0), tokens))
+  logits_attnres = K3Model(cfg).apply(variables, tokens)
+
+  def drop_mix(tree):
+    if isinstance(tree, dict):
+      return {k: drop_mix(v) for k, v in tree.items() if "mix" not in k}
+    return tree
+  plain_vars = {**variables, "params": drop_mix(variables["params"])}
+  logits_plain = K3Model(dataclasses.replace(cfg, attnres=False)).apply(plain_vars, tokens)
+  # Only the RMSNorm epsilon differs: the mean of the sources is the residual sum / n.
+  assert err_ratio(logits_attnres, logits_plain) < 1e-3
+  assert not np.allclose(logits_attnres, 0.0)
+
+
+def test_packed_documents_equal_separate_runs():
+  cfg = tiny_cfg()
+  rng = jax.random.PRNGKey(2)
+  a = jax.random.randint(rng, (1, 23), 0, cfg.vocab_size)
+  b = jax.random.randint(jax.random.fold_in(rng, 1), (1, 18), 0, cfg.vocab_size)
+  packed = jnp.concatenate([a, b], axis=1)
+  seg = jnp.concatenate([jnp.ones((1, 23), jnp.int32), 2 * jnp.ones((1, 18), jnp.int32)], axis=1)
+  model = K3Model(cfg)
+  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), packed))
+  out_packed = model.apply(variables, packed, seg)
+  out_a = model.apply(variables, a)
+  out_b = model.apply(variables, b)
+  np.testing.assert_allclose(out_packed[:, :23], out_a, rtol=2e-4, atol=2e-4)
+  np.testing.assert_allclose(out_packed[:, 23:], out_b, rtol=2e-4, atol=2e-4)
+
+
+def test_model_is_causal():
+  cfg = tiny_cfg()
+  tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 48), 0, cfg.vocab_size)
+  changed = tokens.at[:, 30:].set((tokens[:, 30:] + 7) % cfg.vocab_size)
+  model = K3Model(cfg)
+  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))
+  a, b = model.apply(variables, tokens), model.apply(variables, changed)
+  np.testing.assert_allclose(a[:, :30], b[:, :30], rtol=1e-5, atol=1e-5)
+  assert not np.allclose(a[:, 30:], b[:, 30:])
+
+
+@pytest.mark.parametrize("balance", ["quantile", "aux_loss"])
+def test_tiny_model_gradient_is_finite_and_nonzero(balance):
+  cfg = tiny_cfg(moe_balance=balance)
+  tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 33), 0, cfg.vocab_size)
+  model = K3Model(cfg)
+  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))
+
+  def loss_fn(params):
+    logits, _ = model.apply({**variables, "params": params}, tokens[:, :-1], update_balance=True,
+                            mutable=["moe_state", "moe_stats"])
+    logp = jax.nn.log_softmax(logits)
+    return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+
+  loss, grads = jax.value_and_grad(loss_fn)(variables["params"])
+  leaves = jax.tree_util.tree_leaves(grads)
+  assert np.isfinite(float(loss))
+  assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
+  assert sum(float(jnp.sum(jnp.abs(g))) > 0 for g in leaves) > 0.9 * len(leaves)
+
+
+def test_init_variables_has_moe_state_per_moe_layer():
+  cfg = tiny_cfg()
+  variables = init_variables(cfg, jax.random.PRNGKey(0), 1, 8)
+  n_moe = sum(cfg.layer_uses_moe(i) for i in range(cfg.num_layers))
+  biases = jax.tree_util.tree_leaves(variables["moe_state"])
+  assert len(biases) == n_moe and all(b.shape == (cfg.moe_num_experts,) for b in biases)
