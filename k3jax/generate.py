@@ -92,24 +92,40 @@ flags.DEFINE_integer("top_k", 0, "sample among the top-k tokens (0: all).")
 flags.DEFINE_integer("seed", 0, "sampling seed.")
 
 
-def _load(argv_flags) -> tuple[config_lib.Config, dict]:
+def restore_for_inference(workdir: str, step: Optional[int] = None
+                          ) -> tuple[config_lib.Config, dict, int]:
+  """(config, {'params', 'moe_state'}, step) of a k3jax.train run directory (params only)."""
+  import os
+  from k3jax import checkpoint as checkpoint_lib
+  gin_path = os.path.join(workdir, "config.gin")
+  if not os.path.isfile(gin_path):
+    raise config_lib.ConfigError(f"--workdir={workdir!r} has no config.gin (not a k3jax.train run?)")
+  cfg = config_lib.from_gin([gin_path])
+  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
+                                     read_only=True)
+  try:
+    params, moe_state, meta = ckpt.restore_model(step)
+  finally:
+    ckpt.close()
+  return cfg, {"params": params, "moe_state": moe_state}, int(meta["step"])
+
+
+def _load(argv_flags) -> tuple[config_lib.Config, dict, str]:
   if argv_flags.workdir:
-    from k3jax import checkpoint as ckpt_lib  # the training run's checkpoints
-    cfg = ckpt_lib.load_run_config(argv_flags.workdir)
-    variables = ckpt_lib.restore_for_inference(argv_flags.workdir, cfg, step=argv_flags.step)
-    return cfg, variables
+    cfg, variables, step = restore_for_inference(argv_flags.workdir, argv_flags.step)
+    return cfg, variables, f"checkpoint step {step} of {argv_flags.workdir}"
   if not argv_flags.gin_file:
     raise config_lib.ConfigError("pass --gin_file=... (fresh model) or --workdir=... (checkpoint)")
   cfg = config_lib.from_gin(argv_flags.gin_file, argv_flags.gin_bindings)
   variables = init_variables(cfg.model, jax.random.PRNGKey(cfg.seed), 1, 8)
-  return cfg, variables
+  return cfg, variables, "a randomly initialised model (train one with k3jax.train)"
 
 
 def main(argv):
   del argv
   try:
-    cfg, variables = _load(FLAGS)
-  except config_lib.ConfigError as e:
+    cfg, variables, source = _load(FLAGS)
+  except (config_lib.ConfigError, FileNotFoundError, ValueError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)
@@ -117,6 +133,7 @@ def main(argv):
   variables = nn.meta.unbox(variables)
   from k3jax.model import count_params
   total, active = count_params(cfg.model)
+  print(f"weights: {source}")
   print(f"k3jax model: {total:,} parameters ({active:,} active per token), "
         f"{cfg.model.num_layers} layers: " +
         " ".join(cfg.model.layer_kind(i) for i in range(cfg.model.num_layers)))

@@ -522,22 +522,40 @@ _SUB = 16  # sub-tile of the intra-chunk decays
 
 
 def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
-  """(I + L)^{-1} for strictly lower-triangular L [..., C, C], by matmuls only.
+  """(I + L)^{-1} for strictly lower-triangular L [..., C, C] (C a multiple of 16), matmuls only.
 
-  L is nilpotent (L^C = 0), so (I + L)^{-1} = Σ_n (−L)^n = Π_{i<log2 C} (I + (−L)^{2^i}): log2(C)
-  squarings and products instead of a sequential substitution (which also keeps XLA:CPU off its
-  LAPACK triangular-solve call).
+  Forward substitution on 16×16 diagonal blocks (16 unrolled row updates), then block forward
+  substitution between blocks: X_ab = −X_aa · Σ_{b≤c<a} L_ac X_cb. This is the blocked form fla
+  uses; power-series shortcuts like Π(I + (−L)^{2^i}) overflow once the chunk's keys align (the
+  powers of L grow combinatorially before they vanish). It also keeps XLA:CPU off its LAPACK
+  triangular solve, whose gradient hung with jax 0.10.2.
   """
   C = lower.shape[-1]
-  eye = jnp.eye(C, dtype=lower.dtype)
-  power = -lower
-  inverse = eye + power
-  span = 2
-  while span < C:
-    power = jnp.einsum("...ij,...jk->...ik", power, power, precision=_HIGHEST)
-    inverse = inverse + jnp.einsum("...ij,...jk->...ik", inverse, power, precision=_HIGHEST)
-    span *= 2
-  return inverse
+  S = _SUB
+  n = C // S
+  blk = lambda a, b: lower[..., a * S:(a + 1) * S, b * S:(b + 1) * S]
+  eye = jnp.eye(S, dtype=lower.dtype)
+  diag_inv = []
+  for a in range(n):
+    l_aa = blk(a, a)
+    rows = []
+    for i in range(S):
+      row = eye[i]
+      if i:
+        prev = jnp.stack(rows, axis=-2)                                  # [..., i, S]
+        row = row - jnp.einsum("...j,...jk->...k", l_aa[..., i, :i], prev, precision=_HIGHEST)
+      rows.append(jnp.broadcast_to(row, l_aa.shape[:-2] + (S,)))
+    diag_inv.append(jnp.stack(rows, axis=-2))
+  x = {}
+  for b in range(n):
+    x[(b, b)] = diag_inv[b]
+    for a in range(b + 1, n):
+      acc = sum(jnp.einsum("...ij,...jk->...ik", blk(a, c), x[(c, b)], precision=_HIGHEST)
+                for c in range(b, a))
+      x[(a, b)] = -jnp.einsum("...ij,...jk->...ik", diag_inv[a], acc, precision=_HIGHEST)
+  zero = jnp.zeros(lower.shape[:-2] + (S, S), lower.dtype)
+  return jnp.concatenate([jnp.concatenate([x.get((a, b), zero) for b in range(n)], axis=-1)
+                          for a in range(n)], axis=-2)
 
 
 def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict):

@@ -406,3 +406,24 @@ def test_backends(monkeypatch):
   with pytest.raises(ImportError, match="backend='pallas'"):
     kda.chunk_kda(**a, chunk_size=16, backend="pallas")
   np.testing.assert_array_equal(kda.chunk_kda(**a, chunk_size=16, backend="auto")[0], o_xla)
+
+
+def test_chunk_is_finite_and_exact_when_all_keys_align():
+  """Identical keys with beta ~ 1 make the in-chunk L entries ~1: the (I + L)^-1 must stay stable
+  (power-series inverses overflow here)."""
+  L = np.tril(np.full((64, 64), 0.99, np.float32), -1)
+  np.testing.assert_allclose(np.asarray(kda._unit_lower_inverse(jnp.asarray(L))),
+                             np.linalg.inv(np.eye(64) + L.astype(np.float64)), atol=1e-5)
+  rng = np.random.default_rng(11)
+  B, T, H, K, V = 1, 128, 1, 16, 16
+  k = np.broadcast_to(rng.normal(size=(1, 1, 1, K)), (B, T, H, K)).astype(np.float32)
+  q = rng.normal(size=(B, T, H, K)).astype(np.float32)
+  v = rng.normal(size=(B, T, H, V)).astype(np.float32)
+  g = np.full((B, T, H, K), -0.01, np.float32)
+  beta = np.full((B, T, H), 0.99, np.float32)
+  args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
+  o_chunk, _ = kda.chunk_kda(*args, use_qk_l2norm=True, backend="xla")
+  qn, kn = kda.l2_normalize(args[0]), kda.l2_normalize(args[1])
+  o_ref, _ = kda.recurrent_kda(qn, kn, *args[2:])
+  assert np.all(np.isfinite(np.asarray(o_chunk)))
+  np.testing.assert_allclose(np.asarray(o_chunk), np.asarray(o_ref), atol=1e-4)
