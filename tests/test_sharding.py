@@ -21,7 +21,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import distributed, sharding
 from k3jax.config import ModelConfig
-from k3jax.layers import moe as moe_layer
 from k3jax.model import K3Model
 from k3jax.ops import moe_ep
 from k3jax.ops.moe import routed_experts
@@ -236,12 +235,11 @@ def _reference(kind):
 ])
 def test_tiny_model_matches_single_device(kind, spec, monkeypatch):
   model, variables, batch, (loss_ref, moe_ref, grads_ref) = _reference(kind)
-  # Route the layer through the EP dispatcher (the hook LatentMoE is to call) and count EP calls.
+  # LatentMoE dispatches through routed_experts_auto; count the expert-parallel calls.
   calls = []
   real_ep = moe_ep.routed_experts_ep
   monkeypatch.setattr(moe_ep, "routed_experts_ep",
                       lambda *a, **kw: calls.append(1) or real_ep(*a, **kw))
-  monkeypatch.setattr(moe_layer, "routed_experts", moe_ep.routed_experts_auto)
 
   mesh = sharding.make_mesh(spec)
   abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(1), jnp.zeros((B, T), jnp.int32)))
