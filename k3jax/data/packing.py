@@ -253,10 +253,12 @@ def make_train_iterator(data_cfg, tokens_per_step: int, seq_len_fn: Callable[[in
 
 def validation_batches(data, seq_len: int, batch_size: int,
                        num_batches: int) -> List[dict]:
-  """Fixed validation batches: batch i, row r reads validation positions from (i*batch_size + r)*L.
+  """Fixed validation batches whose rows are spread evenly over the whole validation split.
 
-  The validation stream (no shuffling) is read cyclically, so rows repeat once
-  num_batches * batch_size * seq_len passes its length.
+  Row j of the R = num_batches * batch_size rows (batch j // batch_size) starts at token
+  floor(j * M / R) of the validation stream (M tokens, no shuffling) and reads seq_len + 1 tokens,
+  wrapping around the end; so a few batches sample every validation document rather than the first
+  one only. Rows overlap only when R * seq_len > M.
 
   Args:
     data: a `Corpus`, or a `DataConfig` (loaded here).
@@ -274,6 +276,9 @@ def validation_batches(data, seq_len: int, batch_size: int,
     raise ValueError(f"validation_batches: seq_len={seq_len} needs at least {seq_len + 1} tokens "
                      f"but the validation split has {tokens.size}; raise "
                      "DataConfig.validation_fraction or use more data")
-  rows = batch_size * seq_len
-  return [make_batch(np.take(tokens, np.arange(i * rows, (i + 1) * rows + 1), mode="wrap"),
-                     seq_len, corpus.tokenizer.bos_id) for i in range(num_batches)]
+  num_rows = num_batches * batch_size
+  starts = (np.arange(num_rows, dtype=np.int64) * tokens.size) // num_rows
+  rows = [make_batch(np.take(tokens, np.arange(st, st + seq_len + 1), mode="wrap"), seq_len,
+                     corpus.tokenizer.bos_id) for st in starts]
+  return [{k: np.concatenate([r[k] for r in rows[i * batch_size:(i + 1) * batch_size]])
+           for k in rows[0]} for i in range(num_batches)]

@@ -185,14 +185,18 @@ def test_validation_batches(builtin):
   again = validation_batches(builtin, 256, 4, 3)
   assert len(vb) == 3
   valid = builtin.valid_tokens
+  m = valid.size
   for i, b in enumerate(vb):
     _check_batch(b, 256)
-    np.testing.assert_array_equal(b["inputs"].reshape(-1), valid[i * 1024:(i + 1) * 1024])
     np.testing.assert_array_equal(again[i]["targets"], b["targets"])
-  # Beyond the split's end rows wrap around it.
-  m = valid.size
-  big = validation_batches(builtin, 1024, 1, m // 1024 + 1)[-1]
-  start = (m // 1024) * 1024
+    for r in range(4):
+      start = ((i * 4 + r) * m) // 12   # rows spread evenly over the whole split
+      np.testing.assert_array_equal(b["inputs"][r], valid[start:start + 256])
+      np.testing.assert_array_equal(b["targets"][r], valid[start + 1:start + 257])
+  # The last row of a request longer than the split wraps around its end.
+  n = m // 1024 + 1
+  big = validation_batches(builtin, 1024, 1, n)[-1]
+  start = ((n - 1) * m) // n
   np.testing.assert_array_equal(big["inputs"][0], np.take(valid, np.arange(start, start + 1024),
                                                           mode="wrap"))
   with pytest.raises(ValueError, match=r"seq_len=\d+ needs at least .* validation split has"):
