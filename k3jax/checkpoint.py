@@ -21,6 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from orbax.checkpoint import checkpoint_managers as policies
 
+from k3jax import config as config_lib
 from k3jax.config import CheckpointConfig
 
 PyTree = Any
@@ -118,3 +119,21 @@ class Checkpointer:
 def to_host(tree: PyTree) -> PyTree:
   """Copies a tree of arrays to numpy (for JSON-free inspection / comparisons)."""
   return jax.tree.map(np.asarray, tree)
+
+
+def restore_run(workdir: str, step: Optional[int] = None
+                ) -> tuple[config_lib.Config, PyTree, PyTree, dict]:
+  """(config, params, moe_state, meta) of `step` (default: latest) of a k3jax.train run directory.
+
+  Reads DIR/config.gin and only what inference needs from the checkpoint (no optimizer state).
+  """
+  gin_path = os.path.join(workdir, "config.gin")
+  if not os.path.isfile(gin_path):
+    raise FileNotFoundError(f"--workdir={workdir!r} has no config.gin (not a k3jax.train run?)")
+  cfg = config_lib.from_gin([gin_path])
+  ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint, read_only=True)
+  try:
+    params, moe_state, meta = ckpt.restore_model(step)
+  finally:
+    ckpt.close()
+  return cfg, params, moe_state, meta

@@ -182,16 +182,7 @@ def evaluate_workdir(workdir: str, step: Optional[int] = None, seq_len: Optional
   from k3jax import train as train_lib
   from k3jax.model import K3Model
 
-  gin_path = os.path.join(workdir, "config.gin")
-  if not os.path.isfile(gin_path):
-    raise FileNotFoundError(f"--workdir={workdir!r} has no config.gin (not a k3jax.train run?)")
-  cfg = config_lib.from_gin([gin_path])
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
-                                     read_only=True)
-  try:
-    params, moe_state, meta = ckpt.restore_model(step)
-  finally:
-    ckpt.close()
+  cfg, params, moe_state, meta = checkpoint_lib.restore_run(workdir, step)
   evaluator = Evaluator(cfg, K3Model(cfg.model), train_lib.make_data(cfg))
   length = seq_len or int(meta["seq_len"])
   results = {"step": int(meta["step"]), "stage": int(meta["stage"])}

@@ -95,18 +95,8 @@ flags.DEFINE_integer("seed", 0, "sampling seed.")
 def restore_for_inference(workdir: str, step: Optional[int] = None
                           ) -> tuple[config_lib.Config, dict, int]:
   """(config, {'params', 'moe_state'}, step) of a k3jax.train run directory (params only)."""
-  import os
   from k3jax import checkpoint as checkpoint_lib
-  gin_path = os.path.join(workdir, "config.gin")
-  if not os.path.isfile(gin_path):
-    raise config_lib.ConfigError(f"--workdir={workdir!r} has no config.gin (not a k3jax.train run?)")
-  cfg = config_lib.from_gin([gin_path])
-  ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
-                                     read_only=True)
-  try:
-    params, moe_state, meta = ckpt.restore_model(step)
-  finally:
-    ckpt.close()
+  cfg, params, moe_state, meta = checkpoint_lib.restore_run(workdir, step)
   return cfg, {"params": params, "moe_state": moe_state}, int(meta["step"])
 
 
