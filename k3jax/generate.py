@@ -10,7 +10,6 @@ only per-token memory of the model) and the write index. AttnRes needs no cache:
 
 from __future__ import annotations
 
-import functools
 import sys
 import time
 from typing import Optional
@@ -20,6 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from k3jax import compiler
 from k3jax import config as config_lib
 from k3jax.data import make_tokenizer
 from k3jax.model import K3Model, init_variables
@@ -32,7 +32,6 @@ def init_cache(cfg: config_lib.ModelConfig, batch_size: int, max_len: int) -> di
   return jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), shapes["cache"])
 
 
-@functools.partial(jax.jit, static_argnums=0)
 def decode_forward(cfg: config_lib.ModelConfig, variables: dict, cache: dict,
                    tokens: jax.Array) -> tuple[jax.Array, dict]:
   """Runs `tokens` [B,T] (T>1: prefill, T=1: step) against the cache.
@@ -42,6 +41,9 @@ def decode_forward(cfg: config_lib.ModelConfig, variables: dict, cache: dict,
   logits, mutated = K3Model(cfg).apply({**variables, "cache": cache}, tokens, decode=True,
                                        mutable=["cache"])
   return logits, mutated["cache"]
+
+
+decode_forward = compiler.lazy_jit(decode_forward, static_argnums=0)
 
 
 def sample_token(rng: jax.Array, logits: jax.Array, temperature: float, top_k: int) -> jax.Array:

@@ -1,10 +1,30 @@
-"""Test-wide set-up: 8 virtual CPU devices so that mesh tests can run anywhere.
+"""Test-wide set-up: 8 virtual CPU devices so that mesh tests can run anywhere, and the XLA:CPU
+work-around of `k3jax.compiler` for the whole process (tests call KDA gradients eagerly and under
+their own jits, where k3jax's per-jit option cannot apply).
 
 This must run before JAX initialises its backends, hence at conftest import time.
 """
 import os
+import subprocess
+import sys
 
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+_YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
+
+
+def _xla_knows(flag: str) -> bool:
+  """Whether this jaxlib accepts `flag` (an unknown flag in XLA_FLAGS aborts the process)."""
+  env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
+  probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
+                         env=env, capture_output=True, timeout=300)
+  return probe.returncode == 0
+
+
+_flags = os.environ.get("XLA_FLAGS", "")
+if "xla_force_host_platform_device_count" not in _flags:
+  _flags += " --xla_force_host_platform_device_count=8"
+if "ynn_fusion_type" not in _flags and _xla_knows(_YNN_FLAG):
+  _flags += " " + _YNN_FLAG
+os.environ["XLA_FLAGS"] = _flags.strip()
 
 import jax  # noqa: E402
 

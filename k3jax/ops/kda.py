@@ -26,13 +26,14 @@ head for those decays (and C³·K flops per chunk for the sums); this is the ref
 
 from __future__ import annotations
 
-import functools
 import math
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from k3jax import compiler
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _BACKENDS = ("auto", "xla", "pallas")
@@ -236,7 +237,6 @@ def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
                              cu_seqlens, segment_ids)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 7))
 def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
                         segment_ids):
   """`recurrent_kda` after validation; scale is a Python float."""
@@ -287,6 +287,8 @@ def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_sta
     return o, None
   return o, (finals if packed else state)
 
+
+_recurrent_kda_impl = compiler.lazy_jit(_recurrent_kda_impl, static_argnums=(5, 7))
 
 # --------------------------------------------------------------------------------------------------
 # Chunked (WY) algorithm.
@@ -363,7 +365,6 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
                         cu_seqlens, segment_ids, chunk_size)
 
 
-@functools.partial(jax.jit, static_argnums=(5, 7, 8, 11))
 def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
                    cu_seqlens, segment_ids, chunk_size):
   """`chunk_kda` on the XLA backend, after validation; scale is a Python float."""
@@ -485,6 +486,9 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
                                  v_new, states_in)
 
 
+_chunk_kda_xla = compiler.lazy_jit(_chunk_kda_xla, static_argnums=(5, 7, 8, 11))
+
+
 def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gc, gs, lab, lab_in, v_new,
                          states_in):
   """State at each packed sequence's last token, from the states entering each chunk.
@@ -524,8 +528,8 @@ _SUB = 16  # sub-tile of the intra-chunk decays
 def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
   """(I + L)^{-1} for strictly lower-triangular L [..., C, C] (C a multiple of 16), matmuls only.
 
-  Forward substitution on 16×16 diagonal blocks (16 unrolled row updates), then block forward
-  substitution between blocks: X_ab = −X_aa · Σ_{b≤c<a} L_ac X_cb. This is the blocked form fla
+  Forward substitution on the 16×16 diagonal blocks (a 16-step loop over rows, all blocks at
+  once), then block forward substitution between blocks: X_ab = −X_aa · Σ_{b≤c<a} L_ac X_cb. This is the blocked form fla
   uses; power-series shortcuts like Π(I + (−L)^{2^i}) overflow once the chunk's keys align (the
   powers of L grow combinatorially before they vanish). It also keeps XLA:CPU off its LAPACK
   triangular solve, whose gradient hung with jax 0.10.2.
@@ -534,18 +538,20 @@ def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
   S = _SUB
   n = C // S
   blk = lambda a, b: lower[..., a * S:(a + 1) * S, b * S:(b + 1) * S]
+  # All n diagonal blocks at once, one row per loop iteration: a rolled loop keeps the HLO (and the
+  # compile time of its gradient) small; rows not yet computed are zero, so the full-row product
+  # only sees the rows above.
+  l_diag = jnp.stack([blk(a, a) for a in range(n)], axis=-3)            # [..., n, S, S]
   eye = jnp.eye(S, dtype=lower.dtype)
-  diag_inv = []
-  for a in range(n):
-    l_aa = blk(a, a)
-    rows = []
-    for i in range(S):
-      row = eye[i]
-      if i:
-        prev = jnp.stack(rows, axis=-2)                                  # [..., i, S]
-        row = row - jnp.einsum("...j,...jk->...k", l_aa[..., i, :i], prev, precision=_HIGHEST)
-      rows.append(jnp.broadcast_to(row, l_aa.shape[:-2] + (S,)))
-    diag_inv.append(jnp.stack(rows, axis=-2))
+
+  def substitute_row(i, inv):
+    l_row = jax.lax.dynamic_index_in_dim(l_diag, i, axis=-2, keepdims=False)     # [..., n, S]
+    row = jax.lax.dynamic_index_in_dim(eye, i, axis=0, keepdims=False) - jnp.einsum(
+        "...j,...jk->...k", l_row, inv, precision=_HIGHEST)
+    return jax.lax.dynamic_update_index_in_dim(inv, row, i, axis=-2)
+
+  inv_diag = jax.lax.fori_loop(0, S, substitute_row, jnp.zeros_like(l_diag))
+  diag_inv = [inv_diag[..., a, :, :] for a in range(n)]
   x = {}
   for b in range(n):
     x[(b, b)] = diag_inv[b]
