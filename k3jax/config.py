@@ -96,6 +96,7 @@ class ModelConfig:
   moe_loss_free_rate: float = 1e-3
   moe_aux_loss_coef: float = 1e-2
   moe_capacity_factor: float = 0.0  # 0: dropless; >0: per-expert capacity = factor * balanced load
+  moe_grouped_matmul: str = "auto"  # 'auto' | 'ragged_dot' | 'tiled' (auto: tiled on GPU)
 
   # Block Attention Residuals
   attnres: bool = True
@@ -153,6 +154,8 @@ class ModelConfig:
              "one of ('per_expert', 'token')", self.moe_qb_cutoff)
       _check(self.moe_qb_histogram_bins == 0 or self.moe_qb_histogram_bins >= 2,
              p + "moe_qb_histogram_bins", "0 (exact) or an integer >= 2", self.moe_qb_histogram_bins)
+      _check(self.moe_grouped_matmul in ("auto", "ragged_dot", "tiled"), p + "moe_grouped_matmul",
+             "'auto', 'ragged_dot' or 'tiled'", self.moe_grouped_matmul)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
       _check(self.first_k_dense < self.num_layers, p + "first_k_dense",
@@ -300,7 +303,8 @@ class CheckpointConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  every_steps: int = 0            # 0: only at stage ends and at the end
+  every_steps: int = 0            # validation loss every N steps too (0: only at stage ends);
+                                  # passkey retrieval runs at stage ends only
   num_batches: int = 4
   passkey_multipliers: tuple = (1, 2, 4, 8)
   passkey_samples: int = 8

@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from k3jax import compiler
 from k3jax import config as config_lib
 from k3jax.data import synthetic
 
@@ -112,8 +113,8 @@ class Evaluator:
       logits, stats = forward(params, moe_state, batch)
       return token_cross_entropy(logits, batch["targets"], batch["loss_mask"]), stats
 
-    self._loss_and_stats = jax.jit(loss_and_stats)
-    self._logits = jax.jit(lambda p, s, b: forward(p, s, b)[0])
+    self._loss_and_stats = compiler.jit(loss_and_stats)
+    self._logits = compiler.jit(lambda p, s, b: forward(p, s, b)[0])
 
   def validation(self, params, moe_state, seq_len: int) -> dict:
     """Validation loss (nats/token), bits per byte, and per-layer MaxVio of the summed loads."""
@@ -151,10 +152,13 @@ class Evaluator:
       out[f"passkey/{length}"] = float(np.mean(synthetic.passkey_accuracy(logits, batch)))
     return out
 
-  def __call__(self, params, moe_state, train_len: int, seed: int = 0) -> dict:
+  def __call__(self, params, moe_state, train_len: int, seed: int = 0, passkey: bool = True
+               ) -> dict:
+    """Validation at train_len, and passkey retrieval at its multiples unless passkey=False."""
     out = {"seq_len": int(train_len)}
     out.update(self.validation(params, moe_state, train_len))
-    out.update(self.passkey(params, moe_state, train_len, seed))
+    if passkey:
+      out.update(self.passkey(params, moe_state, train_len, seed))
     return out
 
 
