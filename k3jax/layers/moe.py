@@ -28,7 +28,7 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers import common
 from k3jax.layers.ffn import SiTUGLU
-from k3jax.ops.moe import QB_CUTOFFS, qb_margins
+from k3jax.ops.moe import QB_CUTOFFS, default_ragged_dot, qb_margins
 from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
 
 
@@ -314,7 +314,7 @@ class LatentMoE(nn.Module):
     routed, stats = routed_experts_auto(
         z.reshape(tokens, latent), expert_idx, weights, w_gate, w_up, w_out,
         beta1=cfg.situ_beta1, beta2=cfg.situ_beta2, capacity_factor=cfg.moe_capacity_factor,
-        valid=valid)
+        valid=valid, ragged_dot_fn=default_ragged_dot(cfg.moe_grouped_matmul))
     if cfg.moe_latent_norm:
       routed = common.RMSNorm(cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
                               name="latent_norm")(routed)
