@@ -31,6 +31,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -202,9 +203,16 @@ def main(argv=None):
   p.add_argument("--steps", type=int, default=10)
   p.add_argument("--warmup", type=int, default=3)
   p.add_argument("--profile_steps", type=int, default=3)
+  p.add_argument("--layout_timeout", type=int, default=300,
+                 help="seconds per layout; each layout runs in its own process, so that an "
+                      "out-of-memory or a stuck collective in one cannot take the others down")
+  p.add_argument("--in_process", action="store_true",
+                 help="run the layouts in this process (used for the per-layout children)")
   args = p.parse_args(argv)
   gin_files = args.gin_file or ["gin_configs/small.gin"]
   layouts = args.layouts.split(";") if ";" in args.layouts else args.layouts.split(",")
+  if not args.in_process:
+    return _run_children(argv if argv is not None else sys.argv[1:], layouts, args.layout_timeout)
   cfg = train_lib.config_from_flags(gin_files, args.gin_bindings)
   emit(event="start", backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
        jax=jax.__version__, gin_files=gin_files, bindings=args.gin_bindings)
@@ -216,6 +224,26 @@ def main(argv=None):
       emit(event="error", layout=layout, error=f"{type(e).__name__}: {str(e)[:2000]}")
   return 0
 
+
+def _run_children(argv, layouts, timeout_s: int) -> int:
+  """One child process per layout (same arguments, that layout only); their JSON lines pass
+  through, and a child that dies or times out is reported as an error line."""
+  base = [a for a in argv if not a.startswith("--layouts")]
+  failed = 0
+  for layout in layouts:
+    cmd = [sys.executable, os.path.abspath(__file__), *base, f"--layouts={layout}", "--in_process"]
+    try:
+      out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+      lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
+      for line in lines:
+        print(line, flush=True)
+      if out.returncode != 0 or not any('"result"' in l or '"error"' in l for l in lines):
+        failed += 1
+        emit(event="error", layout=layout, error=f"exit {out.returncode}: {out.stderr[-1500:]}")
+    except subprocess.TimeoutExpired:
+      failed += 1
+      emit(event="error", layout=layout, error=f"timed out after {timeout_s} s")
+  return 1 if failed == len(layouts) else 0
 
 if __name__ == "__main__":
   sys.exit(main())
