@@ -34,6 +34,15 @@ def logical_param(module: nn.Module, name: str, shape: Sequence[int], axes: Sequ
   return module.param(name, nn.with_logical_partitioning(init, tuple(axes)), tuple(shape), dtype)
 
 
+def config_weight(module: nn.Module, name: str, shape: Sequence[int],
+                  axes: Sequence[Optional[str]]) -> jax.Array:
+  """A weight of a layer that has a `config` (ModelConfig): normal(init_std) in param_dtype,
+  with logical axis names, returned cast to the compute dtype."""
+  cfg = module.config
+  return logical_param(module, name, shape, axes, normal_init(cfg.init_std),
+                       to_dtype(cfg.param_dtype)).astype(to_dtype(cfg.dtype))
+
+
 class Dense(nn.Module):
   """y = x @ W (+ b) over the last axis, with logical axis names on W.
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import logical_param, normal_init, rms_norm, to_dtype
+from k3jax.layers.common import config_weight, logical_param, rms_norm, to_dtype
 from k3jax.layers.conv import ShortConv
 from k3jax.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
 
@@ -62,11 +62,6 @@ class KDALayer(nn.Module):
   """
   config: ModelConfig
 
-  def _w(self, name, shape, axes):
-    cfg = self.config
-    return logical_param(self, name, shape, axes, normal_init(cfg.init_std),
-                         to_dtype(cfg.param_dtype)).astype(to_dtype(cfg.dtype))
-
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
                decode: bool = False) -> jax.Array:
@@ -86,21 +81,24 @@ class KDALayer(nn.Module):
       return ShortConv(width=cfg.kda_conv_size, channel_axis="heads", dtype=dtype,
                        param_dtype=param_dtype, name=name)(y, segment_ids, decode=decode)
 
-    q = jnp.einsum("btd,dhk->bthk", x, self._w("q_proj", (d, h, dk), ("embed", "heads", "head_dim")))
-    k = jnp.einsum("btd,dhk->bthk", x, self._w("k_proj", (d, h, dk), ("embed", "heads", "head_dim")))
-    v = jnp.einsum("btd,dhv->bthv", x, self._w("v_proj", (d, h, dv), ("embed", "heads", "head_dim")))
+    q = jnp.einsum("btd,dhk->bthk", x,
+                   config_weight(self, "q_proj", (d, h, dk), ("embed", "heads", "head_dim")))
+    k = jnp.einsum("btd,dhk->bthk", x,
+                   config_weight(self, "k_proj", (d, h, dk), ("embed", "heads", "head_dim")))
+    v = jnp.einsum("btd,dhv->bthv", x,
+                   config_weight(self, "v_proj", (d, h, dv), ("embed", "heads", "head_dim")))
     q = conv("q_conv", q.reshape(b, t, h * dk)).reshape(b, t, h, dk)
     k = conv("k_conv", k.reshape(b, t, h * dk)).reshape(b, t, h, dk)
     v = conv("v_conv", v.reshape(b, t, h * dv)).reshape(b, t, h, dv)
 
     # Decay gate (fp32).
     if cfg.kda_gate_rank > 0:
-      f_a = self._w("f_a_proj", (d, cfg.kda_gate_rank), ("embed", None))
-      f_b = self._w("f_b_proj", (cfg.kda_gate_rank, h, dk), (None, "heads", "head_dim"))
+      f_a = config_weight(self, "f_a_proj", (d, cfg.kda_gate_rank), ("embed", None))
+      f_b = config_weight(self, "f_b_proj", (cfg.kda_gate_rank, h, dk), (None, "heads", "head_dim"))
       gate_x = jnp.einsum("btr,rhk->bthk", x @ f_a, f_b)
     else:
       gate_x = jnp.einsum("btd,dhk->bthk", x,
-                          self._w("f_proj", (d, h, dk), ("embed", "heads", "head_dim")))
+                          config_weight(self, "f_proj", (d, h, dk), ("embed", "heads", "head_dim")))
     bounded = cfg.kda_gate_lower_bound is not None
     a_log = logical_param(self, "A_log", (h,), ("heads",), a_log_init(bounded), jnp.float32)
     dt_bias = logical_param(self, "dt_bias", (h * dk,), ("heads",), dt_bias_init, jnp.float32)
@@ -108,7 +106,7 @@ class KDALayer(nn.Module):
     self.sow("intermediates", "gate", g)
 
     beta = jax.nn.sigmoid(
-        jnp.einsum("btd,dh->bth", x, self._w("b_proj", (d, h), ("embed", "heads")))
+        jnp.einsum("btd,dh->bth", x, config_weight(self, "b_proj", (d, h), ("embed", "heads")))
         .astype(jnp.float32))
 
     if not decode:
@@ -137,7 +135,7 @@ class KDALayer(nn.Module):
     # Gated per-head RMSNorm (fla's FusedRMSNormGated with a sigmoid gate), fp32.
     norm_w = logical_param(self, "o_norm", (dv,), ("norm",), nn.initializers.ones, param_dtype)
     out_gate = jnp.einsum("btd,dhv->bthv", x,
-                          self._w("g_proj", (d, h, dv), ("embed", "heads", "head_dim")))
+                          config_weight(self, "g_proj", (d, h, dv), ("embed", "heads", "head_dim")))
     o = rms_norm(o, cfg.norm_eps, norm_w) * jax.nn.sigmoid(out_gate.astype(jnp.float32))
-    w_o = self._w("o_proj", (h, dv, d), ("heads", "head_dim", "embed"))
+    w_o = config_weight(self, "o_proj", (h, dv, d), ("heads", "head_dim", "embed"))
     return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import RMSNorm, logical_param, normal_init, to_dtype
+from k3jax.layers.common import RMSNorm, config_weight, to_dtype
 from k3jax.ops.attention import attention, max_attention_logits
 
 # DeepSeek / Kimi use eps 1e-6 on the q_a / kv_a LoRA norms (notes/arch.md §2.1).
@@ -43,11 +43,6 @@ LORA_NORM_EPS = 1e-6
 class GatedMLA(nn.Module):
   """Gated MLA layer. Call: x [B, T, d] (already normed), segment_ids [B, T] or None -> [B, T, d]."""
   config: ModelConfig
-
-  def _w(self, name, shape, axes):
-    cfg = self.config
-    return logical_param(self, name, shape, axes, normal_init(cfg.init_std),
-                         to_dtype(cfg.param_dtype)).astype(to_dtype(cfg.dtype))
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
@@ -66,26 +61,27 @@ class GatedMLA(nn.Module):
 
     # Queries.
     if cfg.mla_q_lora_rank > 0:
-      w_dq = self._w("wq_a", (d, cfg.mla_q_lora_rank), ("embed", "q_lora"))
+      w_dq = config_weight(self, "wq_a", (d, cfg.mla_q_lora_rank), ("embed", "q_lora"))
       c_q = RMSNorm(eps=LORA_NORM_EPS, dtype=dtype, param_dtype=to_dtype(cfg.param_dtype),
                     name="q_norm")(x @ w_dq)
-      w_uq = self._w("wq_b", (cfg.mla_q_lora_rank, h, dqk), ("q_lora", "heads", "head_dim"))
+      w_uq = config_weight(self, "wq_b", (cfg.mla_q_lora_rank, h, dqk),
+                           ("q_lora", "heads", "head_dim"))
       q = jnp.einsum("btr,rhk->bthk", c_q, w_uq)
     else:
-      w_q = self._w("wq", (d, h, dqk), ("embed", "heads", "head_dim"))
+      w_q = config_weight(self, "wq", (d, h, dqk), ("embed", "heads", "head_dim"))
       q = jnp.einsum("btd,dhk->bthk", x, w_q)
     q_nope, q_rope = q[..., :nope], q[..., nope:]
 
     # Latent keys/values.
-    w_dkv = self._w("wkv_a", (d, r_kv), ("embed", "kv_lora"))
+    w_dkv = config_weight(self, "wkv_a", (d, r_kv), ("embed", "kv_lora"))
     c_kv = RMSNorm(eps=LORA_NORM_EPS, dtype=dtype, param_dtype=to_dtype(cfg.param_dtype),
                    name="kv_norm")(x @ w_dkv)
     k_rope = None
     if rope > 0:
-      w_kr = self._w("wk_rope", (d, rope), ("embed", "head_dim"))
+      w_kr = config_weight(self, "wk_rope", (d, rope), ("embed", "head_dim"))
       k_rope = x @ w_kr
-    w_uk = self._w("wk_b", (r_kv, h, nope), ("kv_lora", "heads", "head_dim"))
-    w_uv = self._w("wv_b", (r_kv, h, dv), ("kv_lora", "heads", "head_dim"))
+    w_uk = config_weight(self, "wk_b", (r_kv, h, nope), ("kv_lora", "heads", "head_dim"))
+    w_uv = config_weight(self, "wv_b", (r_kv, h, dv), ("kv_lora", "heads", "head_dim"))
 
     if decode and not self.is_initializing():
       o = self._decode_attention(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, segment_ids, scale)
@@ -95,10 +91,10 @@ class GatedMLA(nn.Module):
       o = self._full_attention(q, c_kv, k_rope, w_uk, w_uv, segment_ids, scale)
 
     if cfg.mla_output_gate:
-      w_g = self._w("w_gate", (d, h, dv), ("embed", "heads", "head_dim"))
+      w_g = config_weight(self, "w_gate", (d, h, dv), ("embed", "heads", "head_dim"))
       gate = jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x, w_g).astype(jnp.float32))
       o = (o.astype(jnp.float32) * gate).astype(dtype)
-    w_o = self._w("wo", (h, dv, d), ("heads", "head_dim", "embed"))
+    w_o = config_weight(self, "wo", (h, dv, d), ("heads", "head_dim", "embed"))
     return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)
 
   def _full_attention(self, q, c_kv, k_rope, w_uk, w_uv, segment_ids, scale):
