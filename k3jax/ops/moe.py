@@ -161,6 +161,23 @@ def _check_shapes(z, expert_idx, expert_weight, w_gate, w_up, w_out, valid) -> N
     raise ValueError(f"routed_experts: valid must be [N={n}] bool, got shape {valid.shape}")
 
 
+def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array,
+                     group_sizes: jax.Array, in_group: jax.Array, *, beta1: float, beta2: float,
+                     ragged_dot_fn: RaggedDotFn) -> jax.Array:
+  """SiTU-GLU experts over rows sorted by expert: W_out[e]·SiTU-GLU(x W_gate[e], x W_up[e]).
+
+  x [M, ℓ] (the matmuls run in x.dtype, accumulating in fp32); w_gate, w_up [E, ℓ, f];
+  w_out [E, f, ℓ] (already in x.dtype); group_sizes [E]; in_group [M] bool, False for the rows
+  past the last group. Returns fp32 [M, ℓ], zero on rows outside the groups (which ragged_dot
+  leaves undefined on some backends).
+  """
+  gate = ragged_dot_fn(x, w_gate, group_sizes, preferred_element_type=jnp.float32)
+  up = ragged_dot_fn(x, w_up, group_sizes, preferred_element_type=jnp.float32)
+  h = situ_glu(gate, up, beta1, beta2).astype(x.dtype)
+  y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
+  return jnp.where(in_group[:, None], y, 0.0)
+
+
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:
   """Per-expert buffer rows C = ceil(capacity_factor · num_tokens · top_k / num_experts)."""
   if capacity_factor <= 0:
@@ -229,12 +246,8 @@ def routed_experts(
   x_sorted = z[token_of[order]]                                         # [N·k, ℓ]
 
   if capacity_factor == 0:
-    gate = ragged_dot_fn(x_sorted, w_gate, group_sizes, preferred_element_type=jnp.float32)
-    up = ragged_dot_fn(x_sorted, w_up, group_sizes, preferred_element_type=jnp.float32)
-    h = situ_glu(gate, up, beta1, beta2).astype(dtype)
-    y_sorted = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
-    # Rows past the last group (invalid assignments) are not defined by every backend: zero them.
-    y_sorted = jnp.where(routed[:, None], y_sorted, 0.0)
+    y_sorted = grouped_situ_glu(x_sorted, w_gate, w_up, w_out, group_sizes, routed, beta1=beta1,
+                                beta2=beta2, ragged_dot_fn=ragged_dot_fn)
     dropped = jnp.zeros((), jnp.int32)
   else:
     capacity = expert_capacity(n, k, num_experts, capacity_factor)

@@ -50,7 +50,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.ops.moe import RaggedDotFn, _check_shapes, qb_margins, routed_experts, situ_glu
+from k3jax.ops.moe import (RaggedDotFn, _check_shapes, grouped_situ_glu, qb_margins,
+                           routed_experts)
 from k3jax.sharding import BATCH_AXES
 
 EXPERT_AXIS = "expert"
@@ -137,12 +138,9 @@ def _local_ep(z, expert_idx, expert_weight, valid, w_gate, w_up, w_out, *, num_e
   group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[recv_key].add(1)[:local_experts]
   xs = x_recv.reshape(rows, latent)[recv_order]
   w_gate, w_up, w_out = (w.astype(dtype) for w in (w_gate, w_up, w_out))
-  gate = ragged_dot_fn(xs, w_gate, group_sizes, preferred_element_type=jnp.float32)
-  up = ragged_dot_fn(xs, w_up, group_sizes, preferred_element_type=jnp.float32)
-  h = situ_glu(gate, up, beta1, beta2).astype(dtype)
-  ys = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
-  # Rows past the last group (empty slots) are not defined by every backend: zero them.
-  ys = jnp.where((recv_key[recv_order] < local_experts)[:, None], ys, 0.0).astype(dtype)
+  ys = grouped_situ_glu(xs, w_gate, w_up, w_out, group_sizes,
+                        recv_key[recv_order] < local_experts, beta1=beta1, beta2=beta2,
+                        ragged_dot_fn=ragged_dot_fn).astype(dtype)
   recv_inverse = jnp.zeros((rows,), jnp.int32).at[recv_order].set(
       jnp.arange(rows, dtype=jnp.int32))
   y_recv = ys[recv_inverse].reshape(num_ep, capacity, latent)
