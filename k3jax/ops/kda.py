@@ -161,6 +161,18 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids):
   return B, T, H, K, V, num_seqs
 
 
+def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids):
+  """The inputs as jax arrays, validated: ((q, k, v, g, beta, initial_state, segment_ids),
+  (B, T, H, K, V, num_seqs))."""
+  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  if initial_state is not None:
+    initial_state = jnp.asarray(initial_state)
+  if segment_ids is not None:
+    segment_ids = jnp.asarray(segment_ids)
+  dims = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
+  return (q, k, v, g, beta, initial_state, segment_ids), dims
+
+
 def _run_labels(B: int, T: int, cu_seqlens, segment_ids):
   """Per-token document labels (forward-filled over padding), real-token mask and the initial label.
 
@@ -225,13 +237,8 @@ def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     (o [B, T, H, V] in v.dtype, final state float32 [B, H, K, V] ([N, H, K, V] with cu_seqlens) or
     None).
   """
-  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-  if initial_state is not None:
-    initial_state = jnp.asarray(initial_state)
-  if segment_ids is not None:
-    segment_ids = jnp.asarray(segment_ids)
-  B, T, H, K, V, num_seqs = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens,
-                                      segment_ids)
+  (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
+      q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
   scale = K ** -0.5 if scale is None else float(scale)
   return _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state,
                              cu_seqlens, segment_ids)
@@ -339,13 +346,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 \
       or chunk_size % 16:
     raise ValueError(f"chunk_size must be a positive multiple of 16, got {chunk_size!r}")
-  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
-  if initial_state is not None:
-    initial_state = jnp.asarray(initial_state)
-  if segment_ids is not None:
-    segment_ids = jnp.asarray(segment_ids)
-  B, T, H, K, V, num_seqs = _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens,
-                                      segment_ids)
+  (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
+      q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
 
   if backend == "pallas" or (backend == "auto" and jax.default_backend() == "gpu"):
     try:
