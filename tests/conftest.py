@@ -14,8 +14,8 @@ _YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
 def _xla_knows(flag: str) -> bool:
   """Whether this jaxlib accepts `flag` (an unknown flag in XLA_FLAGS aborts the process)."""
   env = dict(os.environ, XLA_FLAGS=flag, JAX_PLATFORMS="cpu")
-  probe = subprocess.run([sys.executable, "-c", "import jax; jax.numpy.zeros(1).block_until_ready()"],
-                         env=env, capture_output=True, timeout=300)
+  code = "import jax; jax.numpy.zeros(1).block_until_ready()"
+  probe = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, timeout=300)
   return probe.returncode == 0
 
 

@@ -24,19 +24,11 @@ from k3jax.config import ModelConfig
 from k3jax.model import K3Model
 from k3jax.ops import moe_ep
 from k3jax.ops.moe import routed_experts
+from testlib import error_ratio as _error_ratio
 
 B, T = 8, 32
 TINY = ModelConfig(vocab_size=64, d_model=32, num_layers=4, moe_num_experts=8, moe_top_k=2,
                    kda_chunk_size=16)
-
-
-def _error_ratio(a, b) -> float:
-  """RMS(a − b) / RMS(b) in float64 (fla's metric, as in the other tests); NaN anywhere fails."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
-  denom = np.sqrt(np.mean(b * b))
-  num = np.sqrt(np.mean((a - b) ** 2))
-  return float(num / denom) if denom > 0 else float(num)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,21 +19,12 @@ from k3jax import config as config_lib
 from k3jax import metrics as metrics_lib
 from k3jax import train as train_lib
 from k3jax.checkpoint import Checkpointer
+from testlib import TINY_RUN_BINDINGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A very small model (one KDA + one MLA layer, 4 experts) and two short stages of 64 tokens a step.
-TINY = [
-    "ModelConfig.vocab_size = 257", "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2",
-    "ModelConfig.mla_every = 2", "ModelConfig.kda_num_heads = 2", "ModelConfig.kda_head_dim = 16",
-    "ModelConfig.kda_value_dim = 16", "ModelConfig.kda_chunk_size = 16",
-    "ModelConfig.mla_num_heads = 2", "ModelConfig.mla_kv_lora_rank = 16",
-    "ModelConfig.mla_qk_nope_dim = 16", "ModelConfig.mla_qk_rope_dim = 8",
-    "ModelConfig.mla_v_dim = 16", "ModelConfig.dense_ffn_dim = 32",
-    "ModelConfig.moe_num_experts = 4", "ModelConfig.moe_top_k = 2", "ModelConfig.moe_latent_dim = 16",
-    "ModelConfig.moe_expert_dim = 16", "ModelConfig.moe_shared_dim = 16",
-    "StagesConfig.stages = ((16, 3), (32, 3))", "StagesConfig.tokens_per_step = 64",
-    "DataConfig.max_bytes = 200000", "CheckpointConfig.every_steps = 2",
+TINY = TINY_RUN_BINDINGS + [
+    "CheckpointConfig.every_steps = 2",
     "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = (8,)",
     "EvalConfig.passkey_samples = 2", "EvalConfig.log_every_steps = 1",
 ]

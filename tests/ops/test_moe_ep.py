@@ -14,18 +14,10 @@ from k3jax import sharding
 from k3jax.layers.moe import quantile_balance_update
 from k3jax.ops import moe_ep
 from k3jax.ops.moe import routed_experts
+from testlib import error_ratio as _error_ratio
 
 BETAS = dict(beta1=4.0, beta2=25.0)
 N, LATENT, HIDDEN, E, K = 64, 16, 24, 8, 2
-
-
-def _error_ratio(a, b) -> float:
-  """RMS(a − b) / RMS(b) in float64 (fla's metric, as in the other tests); NaN anywhere fails."""
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
-  denom = np.sqrt(np.mean(b * b))
-  num = np.sqrt(np.mean((a - b) ** 2))
-  return float(num / denom) if denom > 0 else float(num)
 
 
 def _problem(seed=0, n=N, skew=0.0, valid_frac=0.8):

@@ -1,0 +1,27 @@
+"""Helpers shared by the tests (tests/ is on sys.path through setup.cfg's pytest `pythonpath`)."""
+
+import numpy as np
+
+# A very small K3 (one KDA + one MLA layer, 4 experts) in two short stages of 64 tokens a step, on
+# 200 kB of the builtin corpus: what the training, evaluation and run-directory tests train.
+TINY_RUN_BINDINGS = [
+    "ModelConfig.vocab_size = 257", "ModelConfig.d_model = 32", "ModelConfig.num_layers = 2",
+    "ModelConfig.mla_every = 2", "ModelConfig.kda_num_heads = 2", "ModelConfig.kda_head_dim = 16",
+    "ModelConfig.kda_value_dim = 16", "ModelConfig.kda_chunk_size = 16",
+    "ModelConfig.mla_num_heads = 2", "ModelConfig.mla_kv_lora_rank = 16",
+    "ModelConfig.mla_qk_nope_dim = 16", "ModelConfig.mla_qk_rope_dim = 8",
+    "ModelConfig.mla_v_dim = 16", "ModelConfig.dense_ffn_dim = 32",
+    "ModelConfig.moe_num_experts = 4", "ModelConfig.moe_top_k = 2", "ModelConfig.moe_latent_dim = 16",
+    "ModelConfig.moe_expert_dim = 16", "ModelConfig.moe_shared_dim = 16",
+    "StagesConfig.stages = ((16, 3), (32, 3))", "StagesConfig.tokens_per_step = 64",
+    "DataConfig.max_bytes = 200000",
+]
+
+
+def error_ratio(a, b) -> float:
+  """RMS(a − b) / RMS(b) in float64 (fla's metric); NaN or inf anywhere fails."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
+  denom = np.sqrt(np.mean(b * b))
+  num = np.sqrt(np.mean((a - b) ** 2))
+  return float(num / denom) if denom > 0 else float(num)
