@@ -303,8 +303,8 @@ class CheckpointConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  every_steps: int = 0            # validation loss every N steps too (0: only at stage ends);
-                                  # passkey retrieval runs at stage ends only
+  every_steps: int = 0            # validation loss every N steps too, and at step 0 of a fresh
+                                  # run (0: only at stage ends); passkey runs at stage ends only
   num_batches: int = 4
   passkey_multipliers: tuple = (1, 2, 4, 8)
   passkey_samples: int = 8
