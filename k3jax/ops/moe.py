@@ -54,7 +54,7 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   tiles' weights and runs one batched matmul ('tml,tlf->tmf'). The step is rematerialised, so
   neither pass keeps gathered weights beyond one step ([tiles_per_step, ℓ, f]); the weight
   gradient accumulates in the scan carry. FLOPs: the real rows plus at most E·tile padding rows
-  (and the unused tiles of the last step). Static shapes: tiles = ceil(M/tile) + E, rounded up
+  and the unused tiles of the last used step; steps past the used tiles are skipped. Static shapes: tiles = ceil(M/tile) + E, rounded up
   to a multiple of tiles_per_step.
   """
   M, L = lhs.shape
@@ -81,13 +81,23 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                                 side="right")
   tile_group = jnp.minimum(tile_group, E - 1).reshape(steps, per_step)  # unused tiles: zero rows
 
+  used_rows = padded_ends[-1]
+
   @jax.checkpoint
   def step(carry, xs):
-    x, tg = xs                                                         # [per_step, tile, ℓ]
-    y = jnp.einsum("tml,tlf->tmf", x, rhs[tg], preferred_element_type=out_dtype)
+    x, tg, first_row = xs                                              # [per_step, tile, ℓ]
+    # Steps wholly past the used tiles (e.g. the empty half of a dropless expert-parallel receive
+    # buffer) skip the matmul.
+    y = jax.lax.cond(
+        first_row < used_rows,
+        lambda: jnp.einsum("tml,tlf->tmf", x, rhs[tg], preferred_element_type=out_dtype),
+        # (zeros shaped from x, so that inside shard_map they carry x's varying mesh axes)
+        lambda: jnp.broadcast_to(jnp.zeros_like(x[..., :1], out_dtype), (per_step, tile, F)))
     return carry, y
 
-  _, out = jax.lax.scan(step, None, (buf.reshape(steps, per_step, tile, L), tile_group))
+  first_rows = jnp.arange(steps, dtype=jnp.int32) * (per_step * tile)
+  _, out = jax.lax.scan(step, None,
+                        (buf.reshape(steps, per_step, tile, L), tile_group, first_rows))
   y = out.reshape(num_tiles * tile, F).at[dest].get(mode="fill", fill_value=0)
   return jnp.where(real[:, None], y, 0).astype(out_dtype)
 
