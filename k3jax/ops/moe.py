@@ -12,7 +12,8 @@ the row of the flattened [N·k] arrays. The routed output is
 Two ways to compute it, both pure and with static shapes:
 
 * dropless (capacity_factor == 0): stable-sort the assignments by expert, gather their rows of z and
-  run three `jax.lax.ragged_dot`s with the per-expert group sizes. Nothing is dropped.
+  run three grouped matmuls with the per-expert group sizes (`jax.lax.ragged_dot`, or
+  `tiled_ragged_dot` on GPU: `default_ragged_dot`). Nothing is dropped.
 * capacity (capacity_factor > 0): each expert gets a fixed buffer of C = ceil(capacity_factor·N·k/E)
   rows ([E, C, ℓ], batched einsum). The sort is stable, so within an expert the assignments are
   ordered by token index (then by slot j) and the first C are kept: the *latest* tokens of the batch
@@ -37,7 +38,6 @@ import jax.numpy as jnp
 RaggedDotFn = Callable[..., jax.Array]
 
 
-
 def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                      preferred_element_type=None, *, tile: int = 128,
                      tiles_per_step: int = 64) -> jax.Array:
@@ -54,8 +54,8 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   tiles' weights and runs one batched matmul ('tml,tlf->tmf'). The step is rematerialised, so
   neither pass keeps gathered weights beyond one step ([tiles_per_step, ℓ, f]); the weight
   gradient accumulates in the scan carry. FLOPs: the real rows plus at most E·tile padding rows
-  and the unused tiles of the last used step; steps past the used tiles are skipped. Static shapes: tiles = ceil(M/tile) + E, rounded up
-  to a multiple of tiles_per_step.
+  and the unused tiles of the last used step; steps past the used tiles are skipped. Static
+  shapes: tiles = ceil(M/tile) + E, rounded up to a multiple of tiles_per_step.
   """
   M, L = lhs.shape
   E, L2, F = rhs.shape
@@ -80,7 +80,6 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   tile_group = jnp.searchsorted(padded_ends, jnp.arange(num_tiles, dtype=jnp.int32) * tile,
                                 side="right")
   tile_group = jnp.minimum(tile_group, E - 1).reshape(steps, per_step)  # unused tiles: zero rows
-
   used_rows = padded_ends[-1]
 
   @jax.checkpoint
@@ -113,6 +112,7 @@ def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
   if kind == "ragged_dot":
     return jax.lax.ragged_dot
   raise ValueError(f"moe_grouped_matmul = {kind!r}: expected 'auto', 'ragged_dot' or 'tiled'")
+
 
 # SiTU-GLU math (re-exported by k3jax.layers.ffn, which documents it).
 

@@ -10,7 +10,8 @@ an independent EP group. Inside one `jax.shard_map`, each device:
      slot);
   2. `all_to_all` over 'expert': row block s of the receive buffer is what device s sent here;
   3. stable-sorts the n·C received rows by local expert and runs the SiTU-GLU experts as three
-     `jax.lax.ragged_dot`s with the per-expert group sizes (empty slots sort last and are zeroed);
+     grouped matmuls (`ragged_dot_fn`) with the per-expert group sizes (empty slots sort last and
+     are zeroed);
   4. unsorts, `all_to_all`s the results back to the senders (in z.dtype) and combines them with the
      router weights in fp32, exactly like `k3jax.ops.moe.routed_experts`.
 
