@@ -239,9 +239,16 @@ class StagesConfig:
   """
   stages: tuple = ((64, 40), (512, 20), (2048, 10), (8192, 5))
   tokens_per_step: int = 8192
+  # Gradient accumulation: each step runs as micro-batches of this many tokens (at least one
+  # sequence each) whose gradients are summed before one optimizer update. 0: the whole step.
+  microbatch_tokens: int = 0
 
   def validate(self) -> None:
     p = "StagesConfig."
+    _check(self.microbatch_tokens >= 0 and (self.microbatch_tokens == 0 or
+                                            self.tokens_per_step % self.microbatch_tokens == 0),
+           p + "microbatch_tokens", f"0 or a divisor of tokens_per_step={self.tokens_per_step}",
+           self.microbatch_tokens)
     _check(len(self.stages) > 0, p + "stages", "a non-empty sequence of (seq_len, steps)", self.stages)
     for s in self.stages:
       _check(len(s) == 2 and all(isinstance(x, int) and x > 0 for x in s), p + "stages",
@@ -250,6 +257,12 @@ class StagesConfig:
              f"a multiple of every stage's seq_len (stage seq_len {s[0]})", self.tokens_per_step)
     lens = [s[0] for s in self.stages]
     _check(lens == sorted(lens), p + "stages", "non-decreasing sequence lengths", self.stages)
+    if self.microbatch_tokens:
+      for seq_len, _ in self.stages:
+        rows = max(1, self.microbatch_tokens // seq_len)
+        _check((self.tokens_per_step // seq_len) % rows == 0, p + "microbatch_tokens",
+               f"a size whose rows per micro-batch ({rows} at seq_len {seq_len}) divide that "
+               f"stage's batch ({self.tokens_per_step // seq_len})", self.microbatch_tokens)
 
   @property
   def total_steps(self) -> int:
@@ -266,6 +279,13 @@ class StagesConfig:
 
   def batch_size(self, stage: int) -> int:
     return self.tokens_per_step // self.stages[stage][0]
+
+  def num_microbatches(self, stage: int) -> int:
+    """Micro-batches per step in `stage`: batch_size / max(1, microbatch_tokens // seq_len)."""
+    if not self.microbatch_tokens:
+      return 1
+    rows = max(1, self.microbatch_tokens // self.stages[stage][0])
+    return self.batch_size(stage) // rows
 
 
 @gin.configurable

@@ -204,6 +204,12 @@ def make_run_mesh(cfg: config_lib.Config):
           f"StagesConfig.stages: stage {i} (seq_len {seq_len}) has batch "
           f"{cfg.stages.batch_size(i)}, which the mesh {cfg.mesh.axes!r} cannot split over its "
           f"{shards} batch shards; raise StagesConfig.tokens_per_step or use fewer devices")
+    micro_rows = cfg.stages.batch_size(i) // cfg.stages.num_microbatches(i)
+    if micro_rows % shards:
+      raise config_lib.ConfigError(
+          f"StagesConfig.microbatch_tokens = {cfg.stages.microbatch_tokens}: stage {i} (seq_len "
+          f"{seq_len}) would run micro-batches of {micro_rows} rows, which the mesh "
+          f"{cfg.mesh.axes!r} cannot split over its {shards} batch shards; raise it")
   if cfg.model.moe_num_experts % mesh.shape["expert"]:
     raise config_lib.ConfigError(
         f"ModelConfig.moe_num_experts = {cfg.model.moe_num_experts} must be divisible by the mesh's "
@@ -264,9 +270,17 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
         aux = aux + layer["aux_loss"].astype(jnp.float32)
     return ce + mcfg.moe_aux_loss_coef * aux, (ce, aux, mutated)
 
+  def grads_of_step(params, moe_state, batch):
+    """(total, (ce, aux, mutated)), grads of the whole step, micro-batched when configured."""
+    rows, seq_len = batch["inputs"].shape
+    per_micro = max(1, cfg.stages.microbatch_tokens // seq_len) if cfg.stages.microbatch_tokens \
+        else rows
+    if per_micro >= rows:
+      return jax.value_and_grad(loss_fn, has_aux=True)(params, moe_state, batch)
+    return _accumulate_microbatches(loss_fn, params, moe_state, batch, rows // per_micro)
+
   def train_step(state: TrainState, batch: dict):
-    (total, (ce, aux, mutated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-        state.params, state.moe_state, batch)
+    (total, (ce, aux, mutated)), grads = grads_of_step(state.params, state.moe_state, batch)
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if qk_tau > 0:
@@ -290,6 +304,80 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
     jit_kwargs = dict(in_shardings=(state_shardings, batch_shardings),
                       out_shardings=(state_shardings, None))
   return compiler.jit(train_step, donate_argnums=(0,), **jit_kwargs)
+
+
+def _accumulate_microbatches(loss_fn: Callable, params, moe_state, batch: dict, num_micro: int):
+  """Gradient accumulation over `num_micro` micro-batches of the batch rows, with `loss_fn`'s
+  contract ((total, (ce, aux, mutated)), grads):
+
+  * micro-batch i holds rows i, i + n, i + 2n, ... (n = num_micro), so that with the batch
+    sharded over devices in contiguous blocks every micro-batch spreads over all of them;
+  * each micro-batch's loss is weighted by its share w_i of the step's loss-mask tokens: the
+    cross-entropy and its gradient are exactly those of the whole batch at once; aux losses are
+    weighted the same way;
+  * the MoE balance state is threaded through: micro-batch i routes with the biases that
+    micro-batch i-1 wrote (QB then updates num_micro times per step, each on its slice);
+  * 'moe_stats' loads and drop counts are summed and MaxVio recomputed from the summed loads;
+    QK-Clip's per-head max logits are the max over micro-batches.
+  Micro-batches run in a `lax.scan`: the activations of one micro-batch are alive at a time.
+  """
+  def split(x):
+    x = x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+
+  micro = jax.tree.map(split, batch)
+  weights = jnp.sum(micro["loss_mask"].astype(jnp.float32), axis=(1, 2))
+  weights = weights / jnp.maximum(jnp.sum(weights), 1.0)
+  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  first = jax.tree.map(lambda x: x[0], micro)
+  _, (_, _, mutated_shape) = jax.eval_shape(lambda: loss_fn(params, moe_state, first))
+  zeros_of = lambda tree, fill: jax.tree.map(lambda a: jnp.full(a.shape, fill, a.dtype), tree)
+  stats0 = zeros_of(mutated_shape.get("moe_stats", {}), 0)
+  qk0 = zeros_of(mutated_shape.get(QK_STATS_COLLECTION, {}), -jnp.inf)
+
+  def body(carry, xs):
+    grads_acc, moe, total_acc, ce_acc, aux_acc, stats_acc, qk_acc = carry
+    mb, w = xs
+    (total, (ce, aux, mutated)), grads = grad_fn(params, moe, mb)
+    grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(a.dtype), grads_acc, grads)
+    stats_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), stats_acc,
+                             mutated.get("moe_stats", {}))
+    qk_acc = jax.tree.map(jnp.maximum, qk_acc, mutated.get(QK_STATS_COLLECTION, {}))
+    return (grads_acc, mutated.get("moe_state", moe), total_acc + w * total, ce_acc + w * ce,
+            aux_acc + w * aux, stats_acc, qk_acc), None
+
+  f32_zero = jnp.zeros([], jnp.float32)
+  init = (jax.tree.map(jnp.zeros_like, params), moe_state, f32_zero, f32_zero, f32_zero, stats0,
+          qk0)
+  (grads, new_moe, total, ce, aux, stats, qk), _ = jax.lax.scan(body, init, (micro, weights))
+  mutated = {"moe_state": new_moe, "moe_stats": _combine_microbatch_stats(stats, num_micro)}
+  if qk:
+    mutated[QK_STATS_COLLECTION] = qk
+  return (total, (ce, aux, mutated)), grads
+
+
+def _combine_microbatch_stats(summed: PyTree, num_micro: int) -> PyTree:
+  """Per-layer stats summed over micro-batches -> those of the whole step: loads and drop counts
+  stay sums, aux losses become means, MaxVio is recomputed from the summed load."""
+  def fix(layer: dict) -> dict:
+    out = dict(layer)
+    if "aux_loss" in out:
+      out["aux_loss"] = out["aux_loss"] / num_micro
+    if "load" in out and "max_vio" in out:
+      load = out["load"].astype(jnp.float32)
+      mean = jnp.mean(load)
+      out["max_vio"] = jnp.where(mean > 0, (jnp.max(load) - mean) / jnp.maximum(mean, 1e-30),
+                                 0.0).astype(layer["max_vio"].dtype)
+    return out
+
+  def walk(tree):
+    if isinstance(tree, dict) or hasattr(tree, "items"):
+      if "load" in tree or "max_vio" in tree or "aux_loss" in tree:
+        return fix(tree)
+      return {k: walk(v) for k, v in tree.items()}
+    return tree
+
+  return walk(summed)
 
 
 def init_train_state(cfg: config_lib.Config, total_steps: int

@@ -16,10 +16,11 @@ import numpy as np
 import pytest
 
 from k3jax import config as config_lib
+from k3jax import evaluate as evaluate_lib
 from k3jax import metrics as metrics_lib
 from k3jax import train as train_lib
 from k3jax.checkpoint import Checkpointer
-from testlib import TINY_RUN_BINDINGS
+from testlib import TINY_RUN_BINDINGS, error_ratio
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -255,3 +256,83 @@ def test_mesh_that_cannot_split_the_batch_is_a_config_error():
   cfg = tiny_config("MeshConfig.axes = 'data:8'")   # stage batches are 4 and 2
   with pytest.raises(config_lib.ConfigError, match="StagesConfig.stages"):
     train_lib.make_run_mesh(cfg)
+
+
+# ------------------------------------------------------------------------------------------------
+# Gradient accumulation (StagesConfig.microbatch_tokens)
+
+
+def _one_step(bindings, seed=0):
+  cfg = config_lib.from_gin([], TINY + bindings)
+  model = train_lib.K3Model(cfg.model)
+  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
+  step = train_lib.make_train_step(cfg, model, optimizer, schedule)
+  rng = np.random.default_rng(seed)
+  B, T = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
+  tokens = rng.integers(1, 257, (B, T + 1)).astype(np.int32)
+  mask = (rng.random((B, T)) > 0.3).astype(np.float32)   # unequal token counts per micro-batch
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "segment_ids": np.ones((B, T), np.int32), "loss_mask": mask}
+  initial_moe_state = jax.device_get(state.moe_state)   # the step donates `state`
+  new_state, metrics = step(state, jax.tree.map(jnp.asarray, batch))
+  return initial_moe_state, new_state, metrics
+
+
+def test_microbatches_give_the_whole_batch_gradient():
+  """Without balance-state updates (moe_balance 'none'), 4 micro-batches of unequal token
+  counts give the loss, gradients and expert loads of the whole batch at once (fp32)."""
+  cfg = config_lib.from_gin([], TINY + ["ModelConfig.moe_balance = 'none'"])
+  model = train_lib.K3Model(cfg.model)
+  state, _, _ = train_lib.init_train_state(cfg, total_steps=10)
+  rng = np.random.default_rng(0)
+  B, T = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
+  tokens = rng.integers(1, 257, (B, T + 1)).astype(np.int32)
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
+           "segment_ids": np.ones((B, T), np.int32),
+           "loss_mask": (rng.random((B, T)) > 0.3).astype(np.float32)}
+  batch = jax.tree.map(jnp.asarray, batch)
+
+  def loss_fn(params, moe_state, b):
+    logits, mutated = model.apply({"params": params, "moe_state": moe_state}, b["inputs"],
+                                  b["segment_ids"], update_balance=True,
+                                  mutable=["moe_state", "moe_stats"])
+    ce_sum, n = evaluate_lib.token_cross_entropy(logits, b["targets"], b["loss_mask"])
+    ce = ce_sum / jnp.maximum(n, 1.0)
+    return ce, (ce, jnp.zeros([], jnp.float32), mutated)
+
+  (loss, (_, _, mut)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+      state.params, state.moe_state, batch)
+  (loss_m, (_, _, mut_m)), grads_m = jax.jit(
+      lambda p, m, b: train_lib._accumulate_microbatches(loss_fn, p, m, b, 4))(
+          state.params, state.moe_state, batch)
+  assert abs(float(loss_m) - float(loss)) <= 1e-6 * float(loss)
+  for path, a, b in zip(jax.tree_util.tree_leaves_with_path(grads_m), jax.tree.leaves(grads_m),
+                        jax.tree.leaves(grads)):
+    assert error_ratio(a, b) <= 1e-5, jax.tree_util.keystr(path[0])
+  layers_m = evaluate_lib.moe_stats_by_layer(mut_m["moe_stats"])
+  for name, layer in evaluate_lib.moe_stats_by_layer(mut["moe_stats"]).items():
+    np.testing.assert_allclose(layers_m[name]["load"], layer["load"])
+    np.testing.assert_allclose(layers_m[name]["max_vio"], layer["max_vio"], rtol=1e-6)
+  # And through the real training step: the same loss and gradient norm.
+  _, _, m_whole = _one_step(["ModelConfig.moe_balance = 'none'"])
+  _, _, m_micro = _one_step(["ModelConfig.moe_balance = 'none'",
+                             "StagesConfig.microbatch_tokens = 16"])
+  assert abs(float(m_micro["loss"]) - float(m_whole["loss"])) <= 1e-6 * float(m_whole["loss"])
+  assert abs(float(m_micro["grad_norm"]) - float(m_whole["grad_norm"])) <= \
+      1e-5 * float(m_whole["grad_norm"])
+
+
+def test_microbatches_thread_the_qb_state():
+  """With Quantile Balancing, a micro-batched step carries the biases through its micro-batches:
+  they move, and end elsewhere than after one update on the whole batch."""
+  moe0, micro, _ = _one_step(["StagesConfig.microbatch_tokens = 32"])
+  _, whole, _ = _one_step([])
+  b0 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(moe0)])
+  b_micro = np.concatenate([np.ravel(x) for x in jax.tree.leaves(micro.moe_state)])
+  b_whole = np.concatenate([np.ravel(x) for x in jax.tree.leaves(whole.moe_state)])
+  assert not np.allclose(b_micro, b0) and not np.allclose(b_micro, b_whole)
+
+
+def test_microbatch_tokens_config_errors():
+  with pytest.raises(config_lib.ConfigError, match="StagesConfig.microbatch_tokens"):
+    config_lib.from_gin([], TINY + ["StagesConfig.microbatch_tokens = 48"])
