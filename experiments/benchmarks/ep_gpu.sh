@@ -21,6 +21,7 @@ timeout 150 python3 -m k3jax.train --gin_file=gin_configs/small.gin --mesh=exper
   --gin_bindings='CheckpointConfig.every_steps = 1000' > "$out/train_ep.log" 2>&1
 echo "train exit $?"
 cp /tmp/small_ep/metrics.jsonl "$out/train_ep_metrics.jsonl" 2>/dev/null
-# 3. the same at 64K tokens (1/16 of small.gin's 1M), if time is left.
+# 3. the same at 64K tokens at once (no micro-batches; 1/16 of small.gin's 1M), if time is left.
 timeout 200 python3 "$bench" "${common[@]}" --layouts=single,expert:2 --seq_len=2048 --batch=32 \
+  --gin_bindings='StagesConfig.microbatch_tokens = 0' \
   --layout_timeout=95 2>&1 | grep '^{' | tee "$out/ep_64k.jsonl"
