@@ -259,7 +259,7 @@ class StagesConfig:
     _check(lens == sorted(lens), p + "stages", "non-decreasing sequence lengths", self.stages)
     if self.microbatch_tokens:
       for seq_len, _ in self.stages:
-        rows = max(1, self.microbatch_tokens // seq_len)
+        rows = self.microbatch_rows(seq_len, self.tokens_per_step // seq_len)
         _check((self.tokens_per_step // seq_len) % rows == 0, p + "microbatch_tokens",
                f"a size whose rows per micro-batch ({rows} at seq_len {seq_len}) divide that "
                f"stage's batch ({self.tokens_per_step // seq_len})", self.microbatch_tokens)
@@ -280,12 +280,17 @@ class StagesConfig:
   def batch_size(self, stage: int) -> int:
     return self.tokens_per_step // self.stages[stage][0]
 
-  def num_microbatches(self, stage: int) -> int:
-    """Micro-batches per step in `stage`: batch_size / max(1, microbatch_tokens // seq_len)."""
+  def microbatch_rows(self, seq_len: int, batch_rows: int) -> int:
+    """Rows per micro-batch for a batch of `batch_rows` sequences of `seq_len`: all of them
+    without micro-batching, else max(1, microbatch_tokens // seq_len) (at most batch_rows)."""
     if not self.microbatch_tokens:
-      return 1
-    rows = max(1, self.microbatch_tokens // self.stages[stage][0])
-    return self.batch_size(stage) // rows
+      return batch_rows
+    return min(batch_rows, max(1, self.microbatch_tokens // seq_len))
+
+  def num_microbatches(self, stage: int) -> int:
+    """Micro-batches per step in `stage`."""
+    seq_len, batch = self.stages[stage][0], self.batch_size(stage)
+    return batch // self.microbatch_rows(seq_len, batch)
 
 
 @gin.configurable

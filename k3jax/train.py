@@ -273,9 +273,8 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   def grads_of_step(params, moe_state, batch):
     """(total, (ce, aux, mutated)), grads of the whole step, micro-batched when configured."""
     rows, seq_len = batch["inputs"].shape
-    per_micro = max(1, cfg.stages.microbatch_tokens // seq_len) if cfg.stages.microbatch_tokens \
-        else rows
-    if per_micro >= rows:
+    per_micro = cfg.stages.microbatch_rows(seq_len, rows)
+    if per_micro == rows:
       return jax.value_and_grad(loss_fn, has_aux=True)(params, moe_state, batch)
     return _accumulate_microbatches(loss_fn, params, moe_state, batch, rows // per_micro)
 

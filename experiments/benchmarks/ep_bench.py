@@ -175,8 +175,7 @@ def run_layout(cfg, layout: str, batch: int, seq_len: int, steps: int, warmup: i
     if source:
       comm["source"] = source
   n_dev = 1 if mesh is None else mesh.devices.size
-  mt = cfg.stages.microbatch_tokens
-  micro = 1 if not mt else max(1, batch // max(1, mt // seq_len))
+  micro = batch // cfg.stages.microbatch_rows(seq_len, batch)
   return dict(layout=layout, devices=n_dev, batch=batch, seq_len=seq_len, microbatches=micro,
               tokens_per_step=batch * seq_len, compile_s=round(compile_s, 1),
               step_ms=round(step_s * 1e3, 2), tokens_per_s=round(batch * seq_len / step_s),
