@@ -49,6 +49,7 @@ from k3jax.data.corpus import load_corpus
 from k3jax.data.tokenizers import make_tokenizer
 from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_layer
 from k3jax.evaluate import bytes_per_token, token_cross_entropy
+from k3jax.layers import moe as moe_layers
 from k3jax.model import K3Model, count_params, init_variables
 
 PyTree = Any
@@ -363,10 +364,7 @@ def _combine_microbatch_stats(summed: PyTree, num_micro: int) -> PyTree:
     if "aux_loss" in out:
       out["aux_loss"] = out["aux_loss"] / num_micro
     if "load" in out and "max_vio" in out:
-      load = out["load"].astype(jnp.float32)
-      mean = jnp.mean(load)
-      out["max_vio"] = jnp.where(mean > 0, (jnp.max(load) - mean) / jnp.maximum(mean, 1e-30),
-                                 0.0).astype(layer["max_vio"].dtype)
+      out["max_vio"] = moe_layers.max_violation(out["load"]).astype(layer["max_vio"].dtype)
     return out
 
   def walk(tree):
