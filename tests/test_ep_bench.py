@@ -14,8 +14,10 @@ def _load():
   return module
 
 
+ep = _load()
+
+
 def test_hlo_op_names():
-  ep = _load()
   assert ep.collective_kind("all-to-all.3") == "all-to-all"
   assert ep.collective_kind("all-to-all-start.12") == "all-to-all"
   assert ep.collective_kind("all-reduce-done") == "all-reduce"
@@ -26,7 +28,6 @@ def test_hlo_op_names():
 
 
 def test_nccl_kernel_names():
-  ep = _load()
   assert ep._nccl_kind("ncclDevKernel_SendRecv(ncclDevComm*, unsigned long)") == "all-to-all"
   assert ep._nccl_kind("ncclDevKernel_AllReduce_Sum_f32_RING_LL") == "all-reduce"
   assert ep._nccl_kind("ncclDevKernel_AllGather_RING_LL") == "all-gather"
