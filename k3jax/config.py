@@ -33,6 +33,7 @@ DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+REMAT_POLICIES = ("none", "full", "dots")
 
 
 @gin.configurable
@@ -102,6 +103,12 @@ class ModelConfig:
   attnres: bool = True
   attnres_block_size: int = 2     # layers per block
 
+  # Activation memory: what the backward pass of each decoder layer keeps from its forward.
+  #   'none': everything autodiff saves; 'full': only the layer's inputs (the layer's forward runs
+  #   again in the backward); 'dots': also the outputs of matmuls without batch dimensions
+  #   (jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
+  remat: str = "none"
+
   def layer_kind(self, i: int) -> str:
     """'mla' or 'kda' for 0-based layer index i."""
     n = i + 1
@@ -128,6 +135,7 @@ class ModelConfig:
            self.kda_backend)
     _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
            f"one of {ATTENTION_IMPLS}", self.attention_impl)
+    _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
     _check(self.kda_chunk_size % 16 == 0, p + "kda_chunk_size", "a multiple of 16 (16, 32, 64, ...)",
            self.kda_chunk_size)
     lb = self.kda_gate_lower_bound

@@ -39,8 +39,9 @@ class DecoderLayer(nn.Module):
   layer_index: int
 
   @nn.compact
-  def __call__(self, blocks: list, partial: Optional[jax.Array], segment_ids, mask, *,
+  def __call__(self, blocks: list, partial: Optional[jax.Array], segment_ids, mask,
                decode: bool, update_balance: bool):
+    # decode and update_balance are positional so that `nn.remat` can mark them static.
     cfg = self.config
     dtype = common.to_dtype(cfg.dtype)
     norm = lambda name: common.RMSNorm(cfg.norm_eps, dtype, common.to_dtype(cfg.param_dtype),
@@ -98,10 +99,16 @@ class K3Model(nn.Module):
     x = nn.with_logical_constraint(x, ("activation_batch", "activation_length", "activation_embed"))
     mask = None if segment_ids is None else segment_ids != 0
 
+    layer_cls = DecoderLayer
+    if cfg.remat != "none" and not decode:
+      # Argument 0 is the module itself: 5 and 6 are decode and update_balance.
+      policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+                if cfg.remat == "dots" else None)
+      layer_cls = nn.remat(DecoderLayer, static_argnums=(5, 6), policy=policy)
     blocks, partial = [], x
     for i in range(cfg.num_layers):
-      blocks, partial = DecoderLayer(cfg, i, name=f"layer_{i}")(
-          blocks, partial, segment_ids, mask, decode=decode, update_balance=update_balance)
+      blocks, partial = layer_cls(cfg, i, name=f"layer_{i}")(
+          blocks, partial, segment_ids, mask, decode, update_balance)
       partial = nn.with_logical_constraint(
           partial, ("activation_batch", "activation_length", "activation_embed"))
     if cfg.attnres:

@@ -313,6 +313,47 @@ def shard_train_state(state: Any, abstract_variables: Any, mesh: Mesh,
   return jax.device_put(state, shardings), shardings
 
 
+def map_over_batch_shards(fn, *arrays):
+  """`fn(*arrays)`, computed by each device on its own rows when the current mesh shards the batch.
+
+  For ops that XLA's SPMD partitioner cannot split: a Pallas kernel is an opaque custom call, and
+  with a sharded batch XLA would gather the whole batch onto every device and run the kernel on
+  all of it there (correct, but every device doing the whole batch's work). Here the kernel runs
+  inside `jax.shard_map` over the mesh's batch axes (those of `BATCH_AXES` larger than 1).
+
+  arrays: arrays with the batch on axis 0 (None entries are passed through as None); fn must
+    treat rows independently and return a pytree of arrays (or None) with the batch on axis 0.
+  Without a current mesh, or when its batch axes all have size 1, this is plain `fn(*arrays)`.
+
+  Raises:
+    ValueError: an array's batch size is not divisible by the batch axes' total size.
+  """
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return fn(*arrays)
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
+  if not axes:
+    return fn(*arrays)
+  n = math.prod(sizes[a] for a in axes)
+  present = [i for i, x in enumerate(arrays) if x is not None]
+  for i in present:
+    if arrays[i].shape[0] % n:
+      raise ValueError(f"argument {i} of {getattr(fn, '__name__', fn)} has batch size "
+                       f"{arrays[i].shape[0]}, not divisible by the mesh's batch axes {axes} "
+                       f"(total size {n})")
+
+  def local(*shards):
+    full = list(arrays)
+    for i, shard in zip(present, shards):
+      full[i] = shard
+    return fn(*full)
+
+  spec = P(axes)
+  return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(present), out_specs=spec,
+                       check_vma=False)(*[arrays[i] for i in present])
+
+
 def batch_sharding(mesh: Mesh) -> NamedSharding:
   """Sharding of a [B, T] (or [B, ...]) batch array: B over ('data', 'expert')."""
   return NamedSharding(mesh, P(BATCH_AXES))

@@ -11,6 +11,7 @@ import pytest
 
 from k3jax import config as config_lib
 from k3jax.model import K3Model, count_params, init_variables
+from testlib import error_ratio
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
 
@@ -108,3 +109,43 @@ def test_init_variables_has_moe_state_per_moe_layer():
   n_moe = sum(cfg.layer_uses_moe(i) for i in range(cfg.num_layers))
   biases = jax.tree_util.tree_leaves(variables["moe_state"])
   assert len(biases) == n_moe and all(b.shape == (cfg.moe_num_experts,) for b in biases)
+
+
+def test_remat_keeps_parameters_loss_gradients_and_balance_updates():
+  """ModelConfig.remat changes what the backward keeps, nothing else: the same parameter tree
+  (checkpoints stay compatible), and the loss, gradients and QB bias updates of remat='none'."""
+  base = tiny_cfg(num_layers=2, mla_every=2)  # a KDA + dense and an MLA + MoE layer
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 33), 0, base.vocab_size)
+  segments = jnp.ones((2, 32), jnp.int32).at[1, 20:].set(2)
+
+  def run(cfg):
+    model = K3Model(cfg)
+    variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :-1]))
+
+    def loss_fn(params):
+      logits, mutated = model.apply({**variables, "params": params}, tokens[:, :-1], segments,
+                                    update_balance=True, mutable=["moe_state", "moe_stats"])
+      logp = jax.nn.log_softmax(logits)
+      return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1)), mutated
+
+    (loss, mutated), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+        variables["params"])
+    return variables, loss, grads, mutated["moe_state"]
+
+  ref_vars, ref_loss, ref_grads, ref_state = run(base)
+  for remat in ("full", "dots"):
+    variables, loss, grads, state = run(dataclasses.replace(base, remat=remat))
+    assert jax.tree_util.tree_structure(variables) == jax.tree_util.tree_structure(ref_vars)
+    jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), variables, ref_vars)
+    assert err_ratio(loss, ref_loss) <= 1e-6, remat
+    for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads),
+                                jax.tree_util.tree_leaves(ref_grads)):
+      assert error_ratio(g, g_ref) <= 1e-5, (remat, jax.tree_util.keystr(path))
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), state,
+                 ref_state)
+  assert any(float(jnp.abs(b).max()) > 0 for b in jax.tree_util.tree_leaves(state))
+
+
+def test_remat_policy_is_validated():
+  with pytest.raises(config_lib.ConfigError, match="ModelConfig.remat"):
+    dataclasses.replace(tiny_cfg(), remat="layer").validate()

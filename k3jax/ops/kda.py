@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax import compiler
+from k3jax import compiler, sharding
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _BACKENDS = ("auto", "xla", "pallas")
@@ -357,10 +357,16 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
         raise
       pallas_chunk_kda = None
     if pallas_chunk_kda is not None:
-      return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                              output_final_state=output_final_state, use_qk_l2norm=use_qk_l2norm,
-                              cu_seqlens=cu_seqlens, segment_ids=segment_ids,
-                              chunk_size=chunk_size)
+      def run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens):
+        return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
+                                output_final_state=output_final_state,
+                                use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
+                                segment_ids=segment_ids, chunk_size=chunk_size)
+      if cu_seqlens is not None:  # one packed row: nothing to split over devices
+        return run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
+      # The kernel is opaque to XLA's partitioner: under a mesh, each device runs its own rows.
+      return sharding.map_over_batch_shards(
+          lambda *a: run(*a, None), q, k, v, g, beta, initial_state, segment_ids)
 
   scale = K ** -0.5 if scale is None else float(scale)
   return _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
