@@ -6,6 +6,10 @@ For each layout in --layouts ('single' = one device, no mesh; otherwise a mesh s
 the MoE's all_to_all expert-parallel path inside the mesh), runs it on random tokens of shape
 [--batch, --seq_len] (the global batch, identical for every layout), and prints one JSON line:
 
+  lower_s, compile_s, temp_gib
+                 tracing and XLA compilation times of the step, and the compiled step's
+                 temporary memory (`memory_analysis`), also printed as a 'progress' line as soon
+                 as they are known, followed by one with the first step's time;
   tokens_per_s   global tokens / median step time (after --warmup steps, over --steps steps);
   step_ms        median step time;
   comm           per-step device time of collective ops, from a profile of --profile_steps steps
@@ -34,6 +38,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
@@ -139,16 +144,30 @@ def run_layout(cfg, layout: str, batch: int, seq_len: int, steps: int, warmup: i
                                         batch_shardings=sharding_lib.batch_sharding(mesh))
     batches = [sharding_lib.shard_batch(b, mesh) for b in host_batches]
 
-  def one(state, i):
-    if mesh is None:
-      return step_fn(state, batches[i % len(batches)])
+  # Trace and compile ahead of time, timed apart: a progress line says where start-up time goes
+  # even when the layout then runs out of time or memory.
+  t0 = time.perf_counter()
+  if mesh is None:
+    lowered = step_fn.lower(state, batches[0])
+  else:
     with sharding_lib.with_mesh(mesh):
-      return step_fn(state, batches[i % len(batches)])
+      lowered = step_fn.lower(state, batches[0])
+  lower_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  memory = compiled.memory_analysis()
+  temp_gib = None if memory is None else round(memory.temp_size_in_bytes / 2**30, 2)
+  emit(event="progress", layout=layout, lower_s=round(lower_s, 1), compile_s=round(compile_s, 1),
+       temp_gib=temp_gib)
+
+  def one(state, i):
+    return compiled(state, batches[i % len(batches)])
 
   t0 = time.perf_counter()
   state, m = one(state, 0)
   jax.block_until_ready(m)
-  compile_s = time.perf_counter() - t0
+  emit(event="progress", layout=layout, first_step_s=round(time.perf_counter() - t0, 2))
   for i in range(1, warmup):
     state, m = one(state, i)
   jax.block_until_ready(m)
@@ -177,7 +196,8 @@ def run_layout(cfg, layout: str, batch: int, seq_len: int, steps: int, warmup: i
   n_dev = 1 if mesh is None else mesh.devices.size
   micro = batch // cfg.stages.microbatch_rows(seq_len, batch)
   return dict(layout=layout, devices=n_dev, batch=batch, seq_len=seq_len, microbatches=micro,
-              tokens_per_step=batch * seq_len, compile_s=round(compile_s, 1),
+              tokens_per_step=batch * seq_len, lower_s=round(lower_s, 1),
+              compile_s=round(compile_s, 1), temp_gib=temp_gib,
               step_ms=round(step_s * 1e3, 2), tokens_per_s=round(batch * seq_len / step_s),
               tokens_per_s_per_device=round(batch * seq_len / step_s / n_dev),
               comm=comm, loss_first=round(losses[0], 4), loss_last=round(losses[-1], 4),
@@ -227,23 +247,32 @@ def main(argv=None):
 
 
 def _run_children(argv, layouts, timeout_s: int) -> int:
-  """One child process per layout (same arguments, that layout only); their JSON lines pass
-  through, and a child that dies or times out is reported as an error line."""
+  """One child process per layout (same arguments, that layout only). Their JSON lines pass
+  through as they come (progress lines included, so a layout that runs out of time still shows
+  how far it got); a child that dies or times out is reported as an error line."""
   base = [a for a in argv if not a.startswith("--layouts")]
   failed = 0
   for layout in layouts:
     cmd = [sys.executable, os.path.abspath(__file__), *base, f"--layouts={layout}", "--in_process"]
-    try:
-      out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
-      lines = [l for l in out.stdout.splitlines() if l.startswith("{")]
-      for line in lines:
-        print(line, flush=True)
-      if out.returncode != 0 or not any('"result"' in l or '"error"' in l for l in lines):
+    with tempfile.TemporaryFile(mode="w+") as err:
+      proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+      timer = threading.Timer(timeout_s, proc.kill)
+      timer.start()
+      finished = False
+      for line in proc.stdout:
+        if line.startswith("{"):
+          print(line, end="", flush=True)
+          finished |= '"result"' in line or '"error"' in line
+      returncode = proc.wait()
+      timed_out = not timer.is_alive()
+      timer.cancel()
+      if timed_out:
         failed += 1
-        emit(event="error", layout=layout, error=f"exit {out.returncode}: {out.stderr[-1500:]}")
-    except subprocess.TimeoutExpired:
-      failed += 1
-      emit(event="error", layout=layout, error=f"timed out after {timeout_s} s")
+        emit(event="error", layout=layout, error=f"timed out after {timeout_s} s")
+      elif returncode != 0 or not finished:
+        failed += 1
+        err.seek(0)
+        emit(event="error", layout=layout, error=f"exit {returncode}: {err.read()[-1500:]}")
   return 1 if failed == len(layouts) else 0
 
 if __name__ == "__main__":
