@@ -149,3 +149,18 @@ def test_remat_keeps_parameters_loss_gradients_and_balance_updates():
 def test_remat_policy_is_validated():
   with pytest.raises(config_lib.ConfigError, match="ModelConfig.remat"):
     dataclasses.replace(tiny_cfg(), remat="layer").validate()
+
+
+def test_init_variables_equals_model_init():
+  """init_variables (lazy_init: initialisers only) gives model.init's params and QB biases, and
+  the decode cache with decode=True."""
+  cfg = tiny_cfg(num_layers=2, mla_every=2)
+  rng = jax.random.PRNGKey(7)
+  full = jax.jit(lambda r: K3Model(cfg).init(r, jnp.zeros((2, 16), jnp.int32)))(rng)
+  lazy = jax.jit(lambda r: init_variables(cfg, r, 2, 16))(rng)
+  assert sorted(lazy) == ["moe_state", "params"]
+  for name in lazy:
+    assert jax.tree_util.tree_structure(lazy[name]) == jax.tree_util.tree_structure(full[name])
+    jax.tree.map(np.testing.assert_array_equal, lazy[name], full[name])
+  decode = jax.eval_shape(lambda: init_variables(cfg, rng, 2, 16, decode=True))
+  assert sorted(decode) == ["cache", "moe_state", "params"]
