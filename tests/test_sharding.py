@@ -319,6 +319,25 @@ def test_map_over_batch_shards_rejects_indivisible_batch():
     sharding.map_over_batch_shards(lambda x: x, jnp.zeros((6, 3)))
 
 
+def test_init_train_state_builds_each_shard_on_its_device():
+  """With a mesh the state is computed straight into its shardings (each device builds only its
+  shard: the routed experts of its expert group), with the values of the single-device state."""
+  from k3jax import train as train_lib
+  from testlib import TINY_RUN_BINDINGS
+  cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS)
+  ref, _, _ = train_lib.init_train_state(cfg, total_steps=10)
+  mesh = sharding.make_mesh("data:2,expert:4")
+  state, _, _ = train_lib.init_train_state(cfg, total_steps=10, mesh=mesh)
+  w_gate = state.params["layer_1"]["moe"]["w_gate"]          # [E=4, latent, hidden]
+  assert w_gate.sharding.spec[0] == "expert"
+  assert {s.data.shape[0] for s in w_gate.addressable_shards} == {1}   # 4 experts over 4
+  moments = [leaf for path, leaf in jax.tree_util.tree_leaves_with_path(state.opt_state)
+             if "['layer_1']['moe']['w_gate']" in jax.tree_util.keystr(path)]
+  assert len(moments) == 2 and all(m.sharding.spec == w_gate.sharding.spec for m in moments)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               state, ref)
+
+
 # ------------------------------------------------------------------------------------------------
 # Checkpoints move between meshes
 

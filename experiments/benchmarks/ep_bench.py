@@ -49,7 +49,7 @@ import numpy as np  # noqa: E402
 
 from k3jax import sharding as sharding_lib  # noqa: E402
 from k3jax import train as train_lib  # noqa: E402
-from k3jax.model import K3Model, init_variables  # noqa: E402
+from k3jax.model import K3Model  # noqa: E402
 
 # HLO op names of collectives, as they appear in profiles ('all-to-all.3', 'all-reduce-start.1').
 _COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
@@ -123,7 +123,8 @@ def collective_time_from_profile(logdir: str, device_index: int = 0) -> dict:
 def run_layout(cfg, layout: str, batch: int, seq_len: int, steps: int, warmup: int,
                profile_steps: int, seed: int = 0) -> dict:
   model = K3Model(cfg.model)
-  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10_000)
+  mesh = None if layout == "single" else sharding_lib.make_mesh(layout)
+  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10_000, mesh=mesh)
   rng = np.random.default_rng(seed)
   host_batches = []
   for _ in range(4):
@@ -131,16 +132,12 @@ def run_layout(cfg, layout: str, batch: int, seq_len: int, steps: int, warmup: i
     host_batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
                          "segment_ids": np.ones((batch, seq_len), np.int32),
                          "loss_mask": np.ones((batch, seq_len), np.float32)})
-  if layout == "single":
-    mesh = None
+  if mesh is None:
     step_fn = train_lib.make_train_step(cfg, model, optimizer, schedule)
     batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in host_batches]
   else:
-    mesh = sharding_lib.make_mesh(layout)
-    abstract_vars = jax.eval_shape(lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1,
-                                                          seq_len))
-    state, state_sh = sharding_lib.shard_train_state(state, abstract_vars, mesh)
-    step_fn = train_lib.make_train_step(cfg, model, optimizer, schedule, state_shardings=state_sh,
+    step_fn = train_lib.make_train_step(cfg, model, optimizer, schedule,
+                                        state_shardings=jax.tree.map(lambda x: x.sharding, state),
                                         batch_shardings=sharding_lib.batch_sharding(mesh))
     batches = [sharding_lib.shard_batch(b, mesh) for b in host_batches]
 
