@@ -97,7 +97,7 @@ class ModelConfig:
   moe_loss_free_rate: float = 1e-3
   moe_aux_loss_coef: float = 1e-2
   moe_capacity_factor: float = 0.0  # 0: dropless; >0: per-expert capacity = factor * balanced load
-  moe_grouped_matmul: str = "auto"  # 'auto' | 'ragged_dot' | 'tiled' (auto: tiled on GPU)
+  moe_grouped_matmul: str = "auto"  # 'auto' | 'ragged_dot' | 'tiled' (auto: ragged_dot on TPU)
 
   # Block Attention Residuals
   attnres: bool = True

@@ -202,7 +202,8 @@ def _random_variables(abstract, seed):
 # scan four times, for the reference and three meshes, would dominate the suite's run time); the
 # slow variant is the default 3:1 KDA/MLA hybrid. Both have MoE in layers 1-3.
 MODEL_CONFIGS = {"mla": ModelConfig(vocab_size=64, d_model=32, num_layers=4, mla_every=1,
-                                    moe_num_experts=8, moe_top_k=2),
+                                    moe_num_experts=8, moe_top_k=2,
+                                    moe_grouped_matmul="ragged_dot"),
                  "hybrid": TINY}
 _REFERENCES: dict = {}
 
@@ -233,8 +234,8 @@ def test_tiny_model_matches_single_device(kind, spec, monkeypatch):
 
 
 def test_tiled_grouped_matmul_under_expert_parallelism(monkeypatch):
-  """The GPU default grouped matmul ('tiled') in the expert-parallel path on expert:8 gives the
-  loss, gradients and QB biases of the single-device `ragged_dot` path."""
+  """The default grouped matmul off TPU ('tiled') in the expert-parallel path on expert:8 gives
+  the loss, gradients and QB biases of the single-device `ragged_dot` path."""
   _, variables, batch, reference = _reference("mla")
   cfg = dataclasses.replace(MODEL_CONFIGS["mla"], moe_grouped_matmul="tiled")
   _check_against_reference(K3Model(cfg), variables, batch, reference, "expert:8", monkeypatch)

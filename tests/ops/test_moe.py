@@ -199,7 +199,7 @@ def test_tiled_ragged_dot_bf16_accumulates_in_fp32():
 def test_default_ragged_dot_choices():
   assert default_ragged_dot("tiled") is tiled_ragged_dot
   assert default_ragged_dot("ragged_dot") is jax.lax.ragged_dot
-  want = tiled_ragged_dot if jax.default_backend() == "gpu" else jax.lax.ragged_dot
+  want = jax.lax.ragged_dot if jax.default_backend() == "tpu" else tiled_ragged_dot
   assert default_ragged_dot("auto") is want
   with pytest.raises(ValueError, match="moe_grouped_matmul"):
     default_ragged_dot("dense")
