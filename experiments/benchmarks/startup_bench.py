@@ -1,0 +1,116 @@
+r"""Where a training run's start-up goes: initialisation and training step, traced, lowered, compiled.
+
+For a config (gin files + bindings) and a batch shape, prints one JSON line per phase:
+
+  init   total_s: `train.init_train_state` on this machine's backend (trace, compile and run of
+         the state: parameters, optimizer state, balance biases); then its main part,
+         `model.init_variables`, phase by phase: trace_s, lower_s, compile_s, fusions
+         (top-level fusions of the optimised HLO, a proxy for the code the backend generates);
+  step   the training step of `train.make_train_step`: trace_s (Python tracing to a jaxpr),
+         lower_s (jaxpr -> StableHLO, where the Pallas kernels become Triton IR), compile_s, and
+         temp_gib from the compiled step's memory analysis.
+
+--platform=cuda on a machine without a GPU lowers for CUDA (the Pallas KDA kernels compiled, not
+interpreted) and stops there: tracing and lowering are host work, so they can be measured on the CPU
+machine; compile times need the target device.
+
+  PYTHONPATH=. python experiments/benchmarks/startup_bench.py --gin_file=gin_configs/small.gin \
+      --seq_len=2048 --batch=16 [--platform=cuda]
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import train as train_lib
+from k3jax.model import K3Model, init_variables
+
+
+def emit(**row):
+  print(json.dumps(row), flush=True)
+
+
+def _fusions(compiled) -> int:
+  return len(re.findall(r"^\s*\S+ = \S+ fusion\(", compiled.as_text(), re.M))
+
+
+def _timed(fn):
+  t0 = time.perf_counter()
+  out = fn()
+  return out, round(time.perf_counter() - t0, 2)
+
+
+def measure(cfg, batch: int, seq_len: int, platform: str) -> list[dict]:
+  """The rows described in the module docstring, for `cfg` at [batch, seq_len] tokens."""
+  compile_here = platform == jax.default_backend() or (platform == "cuda" and
+                                                       jax.default_backend() == "gpu")
+  lowering = {} if compile_here else {"lowering_platforms": (platform,)}
+  if not (platform == "cuda" and jax.default_backend() == "cpu"):
+    return _measure(cfg, batch, seq_len, compile_here, lowering)
+  # The KDA op interprets the Pallas kernels on a CPU backend; lower the compiled ones instead.
+  import pallas_kernels.kda as pallas_kda
+  from k3jax.ops import kda as kda_ops
+  load = kda_ops._load_pallas_chunk_kda
+  kda_ops._load_pallas_chunk_kda = lambda: functools.partial(pallas_kda.chunk_kda,
+                                                             interpret=False)
+  try:
+    return _measure(cfg, batch, seq_len, compile_here, lowering)
+  finally:
+    kda_ops._load_pallas_chunk_kda = load
+
+
+def _measure(cfg, batch, seq_len, compile_here, lowering):
+  rows = []
+  (state, optimizer, schedule), total_s = _timed(
+      lambda: jax.block_until_ready(train_lib.init_train_state(cfg, 100)))
+  # Its main part, the parameter initialisation, again through the AOT path, phase by phase.
+  init_jit = jax.jit(init_variables, static_argnums=(0, 2, 3))
+  traced, trace_s = _timed(lambda: init_jit.trace(cfg.model, jax.random.PRNGKey(0), 1,
+                                                  cfg.stages.stages[0][0]))
+  lowered, lower_s = _timed(lambda: traced.lower(**lowering))
+  row = dict(phase="init", total_s=total_s, trace_s=trace_s, lower_s=lower_s)
+  if compile_here:
+    compiled, row["compile_s"] = _timed(lowered.compile)
+    row["fusions"] = _fusions(compiled)
+  rows.append(row)
+
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model), optimizer, schedule)
+  spec = lambda dtype: jax.ShapeDtypeStruct((batch, seq_len), dtype)
+  batch_spec = {"inputs": spec(jnp.int32), "targets": spec(jnp.int32),
+                "segment_ids": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
+  traced, trace_s = _timed(lambda: step.trace(state, batch_spec))
+  lowered, lower_s = _timed(lambda: traced.lower(**lowering))
+  row = dict(phase="step", batch=batch, seq_len=seq_len, trace_s=trace_s, lower_s=lower_s)
+  if compile_here:
+    compiled, row["compile_s"] = _timed(lowered.compile)
+    memory = compiled.memory_analysis()
+    row["temp_gib"] = None if memory is None else round(memory.temp_size_in_bytes / 2**30, 2)
+  rows.append(row)
+  return rows
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--gin_file", action="append", default=None)
+  p.add_argument("--gin_bindings", action="append", default=[])
+  p.add_argument("--seq_len", type=int, default=2048)
+  p.add_argument("--batch", type=int, default=16)
+  p.add_argument("--platform", default=None,
+                 help="lower for this platform ('cpu', 'cuda'); default: the default backend")
+  args = p.parse_args(argv)
+  cfg = train_lib.config_from_flags(args.gin_file or ["gin_configs/small.gin"], args.gin_bindings)
+  platform = args.platform or jax.default_backend()
+  emit(event="start", backend=jax.default_backend(), platform=platform, jax=jax.__version__,
+       gin_files=args.gin_file, bindings=args.gin_bindings)
+  for row in measure(cfg, args.batch, args.seq_len, platform):
+    emit(event="result", **row)
+
+
+if __name__ == "__main__":
+  main()
