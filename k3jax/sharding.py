@@ -339,7 +339,7 @@ def map_over_batch_shards(fn, *arrays):
   present = [i for i, x in enumerate(arrays) if x is not None]
   for i in present:
     if arrays[i].shape[0] % n:
-      raise ValueError(f"argument {i} of {getattr(fn, '__name__', fn)} has batch size "
+      raise ValueError(f"map_over_batch_shards: argument {i} has batch size "
                        f"{arrays[i].shape[0]}, not divisible by the mesh's batch axes {axes} "
                        f"(total size {n})")
 

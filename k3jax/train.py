@@ -504,7 +504,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   start = start or 0
 
   _, active_params = count_params(cfg.model)
-  peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops) * (1 if mesh is None else mesh.devices.size)
+  devices = 1 if mesh is None else mesh.devices.size
+  peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops) * devices
 
   def save(step):
     stage = scfg.stage_at(step - 1)
