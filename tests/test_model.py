@@ -1,6 +1,7 @@
 """The whole K3 decoder: parameter counts, AttnRes ≡ PreNorm at init, packing, causality, gradients."""
 
 import dataclasses
+import functools
 import os
 
 import flax.linen as nn
@@ -23,6 +24,14 @@ def tiny_cfg(**overrides) -> config_lib.ModelConfig:
   return cfg
 
 
+@functools.lru_cache(maxsize=None)
+def tiny_variables(cfg: config_lib.ModelConfig) -> dict:
+  """Unboxed variables of K3Model(cfg) from PRNGKey(0), compiled once per config (the values of
+  `model.init`, test_init_variables_equals_model_init; they do not depend on the token shape)."""
+  init = jax.jit(init_variables, static_argnums=(0, 2, 3))
+  return nn.meta.unbox(init(cfg, jax.random.PRNGKey(0), 1, 8))
+
+
 def err_ratio(a, b):
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
   return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
@@ -42,7 +51,7 @@ def test_published_parameter_counts():
 def test_attnres_with_zero_queries_equals_prenorm_residual_network():
   cfg = tiny_cfg()
   tokens = jax.random.randint(jax.random.PRNGKey(1), (2, 40), 0, cfg.vocab_size)
-  variables = nn.meta.unbox(K3Model(cfg).init(jax.random.PRNGKey(0), tokens))
+  variables = tiny_variables(cfg)
   logits_attnres = K3Model(cfg).apply(variables, tokens)
 
   def drop_mix(tree):
@@ -63,11 +72,11 @@ def test_packed_documents_equal_separate_runs():
   b = jax.random.randint(jax.random.fold_in(rng, 1), (1, 18), 0, cfg.vocab_size)
   packed = jnp.concatenate([a, b], axis=1)
   seg = jnp.concatenate([jnp.ones((1, 23), jnp.int32), 2 * jnp.ones((1, 18), jnp.int32)], axis=1)
-  model = K3Model(cfg)
-  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), packed))
-  out_packed = model.apply(variables, packed, seg)
-  out_a = model.apply(variables, a)
-  out_b = model.apply(variables, b)
+  apply = jax.jit(K3Model(cfg).apply)
+  variables = tiny_variables(cfg)
+  out_packed = apply(variables, packed, seg)
+  out_a = apply(variables, a)
+  out_b = apply(variables, b)
   np.testing.assert_allclose(out_packed[:, :23], out_a, rtol=2e-4, atol=2e-4)
   np.testing.assert_allclose(out_packed[:, 23:], out_b, rtol=2e-4, atol=2e-4)
 
@@ -77,7 +86,7 @@ def test_model_is_causal():
   tokens = jax.random.randint(jax.random.PRNGKey(3), (1, 48), 0, cfg.vocab_size)
   changed = tokens.at[:, 30:].set((tokens[:, 30:] + 7) % cfg.vocab_size)
   model = K3Model(cfg)
-  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))
+  variables = tiny_variables(cfg)
   a, b = model.apply(variables, tokens), model.apply(variables, changed)
   np.testing.assert_allclose(a[:, :30], b[:, :30], rtol=1e-5, atol=1e-5)
   assert not np.allclose(a[:, 30:], b[:, 30:])
@@ -88,7 +97,7 @@ def test_tiny_model_gradient_is_finite_and_nonzero(balance):
   cfg = tiny_cfg(moe_balance=balance)
   tokens = jax.random.randint(jax.random.PRNGKey(4), (2, 33), 0, cfg.vocab_size)
   model = K3Model(cfg)
-  variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens))
+  variables = tiny_variables(cfg)
 
   def loss_fn(params):
     logits, _ = model.apply({**variables, "params": params}, tokens[:, :-1], update_balance=True,
@@ -96,7 +105,7 @@ def test_tiny_model_gradient_is_finite_and_nonzero(balance):
     logp = jax.nn.log_softmax(logits)
     return -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
 
-  loss, grads = jax.value_and_grad(loss_fn)(variables["params"])
+  loss, grads = jax.jit(jax.value_and_grad(loss_fn))(variables["params"])
   leaves = jax.tree_util.tree_leaves(grads)
   assert np.isfinite(float(loss))
   assert all(bool(jnp.all(jnp.isfinite(g))) for g in leaves)
@@ -105,7 +114,7 @@ def test_tiny_model_gradient_is_finite_and_nonzero(balance):
 
 def test_init_variables_has_moe_state_per_moe_layer():
   cfg = tiny_cfg()
-  variables = init_variables(cfg, jax.random.PRNGKey(0), 1, 8)
+  variables = jax.eval_shape(lambda: init_variables(cfg, jax.random.PRNGKey(0), 1, 8))
   n_moe = sum(cfg.layer_uses_moe(i) for i in range(cfg.num_layers))
   biases = jax.tree_util.tree_leaves(variables["moe_state"])
   assert len(biases) == n_moe and all(b.shape == (cfg.moe_num_experts,) for b in biases)
@@ -114,13 +123,13 @@ def test_init_variables_has_moe_state_per_moe_layer():
 def test_remat_keeps_parameters_loss_gradients_and_balance_updates():
   """ModelConfig.remat changes what the backward keeps, nothing else: the same parameter tree
   (checkpoints stay compatible), and the loss, gradients and QB bias updates of remat='none'."""
-  base = tiny_cfg(num_layers=2, mla_every=2)  # a KDA + dense and an MLA + MoE layer
+  base = tiny_cfg(num_layers=2, mla_every=1)  # MLA + dense, MLA + MoE: the wrapping is per layer
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 33), 0, base.vocab_size)
   segments = jnp.ones((2, 32), jnp.int32).at[1, 20:].set(2)
 
   def run(cfg):
     model = K3Model(cfg)
-    variables = nn.meta.unbox(model.init(jax.random.PRNGKey(0), tokens[:, :-1]))
+    variables = tiny_variables(cfg)
 
     def loss_fn(params):
       logits, mutated = model.apply({**variables, "params": params}, tokens[:, :-1], segments,

@@ -1,4 +1,4 @@
-"""experiments/benchmarks/startup_bench.py: phases measured on CPU, and lowering for CUDA here."""
+"""experiments/benchmarks/startup_bench.py: lowering the GPU program on the CPU host."""
 
 import importlib.util
 import os
@@ -18,14 +18,13 @@ def _load():
   return module
 
 
-def test_phases_on_cpu_and_lowering_for_cuda():
+def test_lowering_for_cuda_on_a_cpu_host():
+  """For CUDA the compiled (not interpreted) Pallas KDA kernels lower to Triton on this host;
+  nothing compiles. (The compile branch runs on the GPU: RESULTS.md.)"""
   bench = _load()
   cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS)
-  init, step = bench.measure(cfg, batch=2, seq_len=32, platform="cpu")
-  assert init["phase"] == "init" and init["compile_s"] > 0 and init["fusions"] > 0
-  assert step["phase"] == "step" and step["compile_s"] > 0 and step["temp_gib"] is not None
-  # For CUDA the compiled Pallas KDA kernels lower to Triton on this host; nothing compiles.
   load = kda_ops._load_pallas_chunk_kda
   init, step = bench.measure(cfg, batch=2, seq_len=32, platform="cuda")
+  assert [init["phase"], step["phase"]] == ["init", "step"]
   assert "compile_s" not in init and "compile_s" not in step and step["lower_s"] > 0
   assert kda_ops._load_pallas_chunk_kda is load        # the override is undone
