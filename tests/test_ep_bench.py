@@ -1,20 +1,8 @@
 """experiments/benchmarks/ep_bench.py: how profile events are classified as collectives."""
 
-import importlib.util
-import os
+from testlib import load_benchmark
 
-_PATH = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
-                     "benchmarks", "ep_bench.py")
-
-
-def _load():
-  spec = importlib.util.spec_from_file_location("ep_bench", _PATH)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-ep = _load()
+ep = load_benchmark("ep_bench")
 
 
 def test_hlo_op_names():

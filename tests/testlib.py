@@ -1,5 +1,8 @@
 """Helpers shared by the tests (tests/ is on sys.path through setup.cfg's pytest `pythonpath`)."""
 
+import importlib.util
+import os
+
 import numpy as np
 
 # A very small K3 (one KDA + one MLA layer, 4 experts) in two short stages of 64 tokens a step, on
@@ -25,3 +28,13 @@ def error_ratio(a, b) -> float:
   denom = np.sqrt(np.mean(b * b))
   num = np.sqrt(np.mean((a - b) ** 2))
   return float(num / denom) if denom > 0 else float(num)
+
+
+def load_benchmark(name: str):
+  """The module experiments/benchmarks/<name>.py (benchmarks are scripts, not a package)."""
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
+                      "benchmarks", f"{name}.py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
