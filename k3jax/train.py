@@ -206,7 +206,7 @@ def make_run_mesh(cfg: config_lib.Config):
           f"StagesConfig.stages: stage {i} (seq_len {seq_len}) has batch "
           f"{cfg.stages.batch_size(i)}, which the mesh {cfg.mesh.axes!r} cannot split over its "
           f"{shards} batch shards; raise StagesConfig.tokens_per_step or use fewer devices")
-    micro_rows = cfg.stages.batch_size(i) // cfg.stages.num_microbatches(i)
+    micro_rows = cfg.stages.microbatch_rows(seq_len, cfg.stages.batch_size(i))
     if micro_rows % shards:
       raise config_lib.ConfigError(
           f"StagesConfig.microbatch_tokens = {cfg.stages.microbatch_tokens}: stage {i} (seq_len "
@@ -387,16 +387,18 @@ def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Me
   optimizer, schedule = optim.make_optimizer(cfg.optimizer, total_steps,
                                              optim.logical_axes(abstract_vars["params"]))
 
-  def build(rng):
-    boxed = init_variables(cfg.model, rng, 1, seq_len)
+  def assemble(boxed):
     params = optim.unbox(boxed["params"])
     return TrainState(step=jnp.zeros([], jnp.int32), params=params,
                       opt_state=optimizer.init(params),
                       moe_state=optim.unbox(boxed.get("moe_state", {})), rng=train_rng)
 
+  build = lambda rng: assemble(init_variables(cfg.model, rng, 1, seq_len))
   if mesh is None:
     return compiler.jit(build)(init_rng), optimizer, schedule
-  shardings = sharding_lib.state_shardings(jax.eval_shape(build, init_rng), abstract_vars, mesh)
+  # The state's shapes from the variables' shapes: the model is not traced again for them.
+  abstract_state = jax.eval_shape(assemble, abstract_vars)
+  shardings = sharding_lib.state_shardings(abstract_state, abstract_vars, mesh)
   return compiler.jit(build, out_shardings=shardings)(init_rng), optimizer, schedule
 
 
