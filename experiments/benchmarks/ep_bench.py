@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import glob
 import json
 import os
@@ -144,11 +145,8 @@ def run_layout(cfg, layout: str, batch: int, seq_len: int, steps: int, warmup: i
   # Trace and compile ahead of time, timed apart: a progress line says where start-up time goes
   # even when the layout then runs out of time or memory.
   t0 = time.perf_counter()
-  if mesh is None:
+  with contextlib.nullcontext() if mesh is None else sharding_lib.with_mesh(mesh):
     lowered = step_fn.lower(state, batches[0])
-  else:
-    with sharding_lib.with_mesh(mesh):
-      lowered = step_fn.lower(state, batches[0])
   lower_s = time.perf_counter() - t0
   t0 = time.perf_counter()
   compiled = lowered.compile()
