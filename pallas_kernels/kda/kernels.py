@@ -28,6 +28,13 @@ never reads a gate after row i). Across sub-tiles (j in an earlier sub-tile) bot
 any gate. On the diagonal 16×16 tiles the key factor reaches e^{15·|g|max}; this is finite only for
 bounded gates (|g| ≤ 5 ⇒ ≤ e^75). With `exact_diag=True` the diagonal tiles instead use exact
 pairwise differences e^{min(G_i - G_j, 0)} (16 rank-1 steps on the vector units), valid for any g ≤ 0.
+
+Kernels (grid: what one program does). Forward: intra_fwd (B, NT, H: one chunk, its K columns in
+blocks of `Tuning.intra_fwd_bk`, a loop), wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over
+the chunks), out_fwd (B, NT, H). Backward: scan_bwd (B, H, V/bv), dense_bwd (B, NT, H: V in blocks of
+`Tuning.dense_bwd_bv`, a loop), intra_bwd (B, NT, H, K/bk · NS: one 16-row sub-tile and K block),
+gate_bwd (B, NT, H). Small register tiles and many programs were what made the intra-chunk kernels
+fast on the H200 (RESULTS.md, run 4).
 """
 from __future__ import annotations
 
@@ -45,11 +52,14 @@ BC = 16  # sub-tile rows: the smallest tensor-core dot
 
 @dataclasses.dataclass(frozen=True)
 class Tuning:
-  """Launch parameters of the compiled kernels (ignored by the interpreter).
+  """Launch parameters and block sizes of the kernels (the interpreter ignores the launches).
 
   Each `*_launch` is (num_warps, num_stages); `bv_*` is the V block of the sequential scans (more
   blocks = more programs in parallel, each re-reading the chunk's K-side operands). `fuse_wy` runs
   the first two forward kernels as one (`intra_wy_fwd`, launched with `intra_fwd_launch`).
+  `intra_fwd_bk` / `intra_bwd_bk` are the K (and V) blocks of the loops of the intra-chunk forward
+  kernels (`intra_fwd`, `intra_wy_fwd`) and of `intra_bwd`; they apply in the interpreter too.
+  `dense_bwd_bv`: the V block of `dense_bwd`'s loop over the state's columns.
   """
   intra_fwd_launch: tuple = (4, 1)
   wy_fwd_launch: tuple = (4, 1)
@@ -61,20 +71,31 @@ class Tuning:
   bv_fwd: int = 64
   bv_bwd: int = 64
   fuse_wy: bool = False
+  intra_fwd_bk: int = 64
+  intra_bwd_bk: int = 64
+  dense_bwd_bv: int = 128
+  gate_bwd_launch: tuple = (4, 1)
 
 
-def default_tuning(rows_heads: int, V: int) -> Tuning:
-  """Launch parameters measured best on an H200 (RESULTS.md, run 2) for B·H = rows_heads.
+def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
+  """Launch parameters and blocks measured best on an H200 (RESULTS.md, run 4) for B·H =
+  rows_heads and head dims K, V.
 
   With few rows × heads the scans run on few programs: smaller V blocks (more programs) and a
-  3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do.
+  3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do. The intra-chunk
+  forward runs best on one warp over 16-column K blocks, dense_bwd on 8 warps over 64-column V
+  blocks, intra_bwd on 2 warps per 64-column K block. (A head dim that the block does not divide,
+  possible in the interpreter, is one block.)
   """
   if rows_heads >= 64:
     bv_fwd, bv_bwd, scan_bwd = 64, 64, (8, 3)
   else:
     bv_fwd, bv_bwd, scan_bwd = 32, 16, (4, 3)
-  return Tuning(scan_fwd_launch=(4, 3), scan_bwd_launch=scan_bwd, dense_bwd_launch=(8, 1),
-                intra_bwd_launch=(8, 1), bv_fwd=min(bv_fwd, V), bv_bwd=min(bv_bwd, V))
+  fit = lambda block, width: block if width % block == 0 else width
+  return Tuning(intra_fwd_launch=(1, 1), intra_fwd_bk=fit(16, K), scan_fwd_launch=(4, 3),
+                scan_bwd_launch=scan_bwd, dense_bwd_launch=(8, 1), dense_bwd_bv=fit(64, V),
+                intra_bwd_launch=(2, 1), intra_bwd_bk=fit(64, K), bv_fwd=min(bv_fwd, V),
+                bv_bwd=min(bv_bwd, V))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,11 +193,34 @@ def _activate_gate(cfg, graw, a_log, dt):
   return -jnp.exp(a_log) * jax.nn.softplus(u)
 
 
-def _gate_refs(cfg, gate_refs, h):
+def _gate_refs(cfg, gate_refs, h, cols):
+  """A_log of head h (scalar) and dt_bias of the K columns `cols` ([1, bk]), fp32."""
   if cfg.gate == "none":
     return None, None
   alog_ref, dt_ref = gate_refs
-  return alog_ref[h].astype(jnp.float32), dt_ref[...].astype(jnp.float32)[None, :]
+  return alog_ref[h].astype(jnp.float32), dt_ref[cols].astype(jnp.float32)[None, :]
+
+
+def _block(width: int, block: int, what: str) -> int:
+  """The block size along a head dimension of `width`: min(block, width), which must divide it."""
+  b = min(block, width)
+  if width % b:
+    raise ValueError(f"{what} ({block}) must divide the head dimension {width}")
+  return b
+
+
+def _gate_cumsum(cfg, g_ref, gate_refs, h, cols):
+  """Log gate and in-chunk inclusive cumsum G of the K columns `cols`: one [BC, bk] fp32 tile per
+  sub-tile. Every quantity of the intra-chunk kernels is a sum over K of per-column terms, and G of
+  a column depends on that column only, so the kernels work one K block at a time."""
+  a_log, dt = _gate_refs(cfg, gate_refs, h, cols)
+  Gs, carry = [], None
+  for I in range(cfg.ns):
+    g = _activate_gate(cfg, _f32(g_ref[pl.ds(I * BC, BC), cols]), a_log, dt)
+    G = lax.cumsum(g, axis=0) if carry is None else lax.cumsum(g, axis=0) + carry
+    carry = _row(G, BC - 1)
+    Gs.append(G)
+  return Gs
 
 
 def _doc_masks(d):
@@ -194,58 +238,65 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
   """Gate, cumsum G (stored), X and P tiles (stored; zero tiles above the diagonal, also into
   Z_ref if given) and the inverses of the diagonal blocks of I + L.
 
-  Returns (Gs, ds, ls, invs): G per sub-tile [BC, K]; document numbers per sub-tile [BC] (None
-  unless segmented); L = diag(β) X tiles {(I, J): [BC, BC]} for J <= I; (I + L_II)^{-1} per I.
+  The pair tiles are sums over K: they accumulate over K blocks of `tuning.intra_fwd_bk` columns
+  (a loop), so only [BC, bk] operands are live at a time (fla's layout; the whole K width kept the
+  kernel's operands in local memory).
+
+  Returns (ds, ls, invs): document numbers per sub-tile [BC] (None unless segmented); L = diag(β) X
+  tiles {(I, J): [BC, BC]} for J <= I; (I + L_II)^{-1} per I.
   """
   h = pl.program_id(2)
-  a_log, dt = _gate_refs(cfg, gate_refs, h)
   ns, K = cfg.ns, q_ref.shape[-1]
+  bk = _block(K, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
   tile = (BC, BC)
   ii, jj = _iota(tile, 0), _iota(tile, 1)
   zeros_tile = jnp.zeros(tile, jnp.float32)
+  pairs = [(I, J) for I in range(ns) for J in range(I + 1)]
+  sub = lambda I: pl.ds(I * BC, BC)
 
-  # Only G stays in registers for all sub-tiles (it is computed here); q and k tiles are re-read
-  # from the refs where used, which keeps the kernel out of local memory.
-  load_q = lambda I: _f32(q_ref[pl.ds(I * BC, BC), :]) * cfg.scale
-  load_k = lambda I: _f32(k_ref[pl.ds(I * BC, BC), :])
-  carry = jnp.zeros((1, K), jnp.float32)
-  Gs, refs_r, ds, ls = [], [], [], {}
-  for I in range(ns):
-    rows = pl.ds(I * BC, BC)
-    g = _activate_gate(cfg, _f32(g_ref[rows, :]), a_log, dt)
-    G = lax.cumsum(g, axis=0) + carry
-    carry = carry + jnp.sum(g, axis=0, keepdims=True)
-    G_ref[rows, :] = G
-    Gs.append(G)
-    refs_r.append(_row(G, 0))
-    ds.append(dseg_ref[rows] if cfg.segmented else None)
+  def k_block(ik, acc):
+    cols = pl.ds(ik * bk, bk)
+    Gs = _gate_cumsum(cfg, g_ref, gate_refs, h, cols)
+    acc = dict(zip(pairs, acc))
+    for I in range(ns):
+      G_ref[sub(I), cols] = Gs[I]
+      r = _row(Gs[I], 0)
+      e_i = jnp.exp(Gs[I] - r)  # ≤ 1
+      q_i = _f32(q_ref[sub(I), cols]) * cfg.scale
+      k_i = _f32(k_ref[sub(I), cols])
+      qa, ka = q_i * e_i, k_i * e_i
+      for J in range(I + 1):
+        if J < I or not cfg.exact_diag:
+          kb = _f32(k_ref[sub(J), cols]) * jnp.exp(r - Gs[J])  # ≤ 1 off the diagonal
+          x = _hd(cfg, ka, kb.T)
+          p = _hd(cfg, qa, kb.T)
+        else:
+          def pair_step(j, xp, G=Gs[I], kt=k_i, qt=q_i):
+            x, p = xp
+            e = jnp.exp(jnp.minimum(G - _row(G, j), 0.0))
+            kje = _row(kt, j) * e
+            x = x + jnp.where(jj == j, jnp.sum(kt * kje, axis=1, keepdims=True), 0.0)
+            p = p + jnp.where(jj == j, jnp.sum(qt * kje, axis=1, keepdims=True), 0.0)
+            return x, p
 
+          x, p = lax.fori_loop(0, BC, pair_step, (zeros_tile, zeros_tile))
+        ax, ap = acc[(I, J)]
+        acc[(I, J)] = (ax + x, ap + p)
+    return tuple(acc[ij] for ij in pairs)
+
+  acc = lax.fori_loop(0, K // bk, k_block, tuple((zeros_tile, zeros_tile) for _ in pairs))
+  acc = dict(zip(pairs, acc))
+  ds = [dseg_ref[sub(I)] if cfg.segmented else None for I in range(ns)]
+  ls = {}
   for I in range(ns):
-    rows = pl.ds(I * BC, BC)
-    e_i = jnp.exp(Gs[I] - refs_r[I])  # ≤ 1
-    qa, ka = load_q(I) * e_i, load_k(I) * e_i
-    beta = _f32(beta_ref[rows])[:, None]
+    beta = _f32(beta_ref[sub(I)])[:, None]
     for J in range(ns):
-      cols = pl.ds(J * BC, BC)
       if J > I:
         for ref in (X_ref, P_ref, Z_ref):
           if ref is not None:
-            ref[rows, cols] = zeros_tile
+            ref[sub(I), sub(J)] = zeros_tile
         continue
-      if J < I or not cfg.exact_diag:
-        kb = load_k(J) * jnp.exp(refs_r[I] - Gs[J])  # ≤ 1 off the diagonal, ≤ e^{15|g|} on it
-        x = _hd(cfg, ka, kb.T)
-        p = _hd(cfg, qa, kb.T)
-      else:
-        def pair_step(j, xp, G=Gs[I], kt=load_k(I), qt=load_q(I)):
-          x, p = xp
-          e = jnp.exp(jnp.minimum(G - _row(G, j), 0.0))
-          kje = _row(kt, j) * e
-          x = x + jnp.where(jj == j, jnp.sum(kt * kje, axis=1, keepdims=True), 0.0)
-          p = p + jnp.where(jj == j, jnp.sum(qt * kje, axis=1, keepdims=True), 0.0)
-          return x, p
-
-        x, p = lax.fori_loop(0, BC, pair_step, (zeros_tile, zeros_tile))
+      x, p = acc[(I, J)]
       if cfg.segmented:
         same = ds[I][:, None] == ds[J][None, :]
         x = jnp.where(same, x, 0.0)
@@ -254,8 +305,8 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
         x = jnp.where(ii > jj, x, 0.0)
         p = jnp.where(ii >= jj, p, 0.0)
       ls[(I, J)] = beta * x
-      X_ref[rows, cols] = x
-      P_ref[rows, cols] = p
+      X_ref[sub(I), sub(J)] = x
+      P_ref[sub(I), sub(J)] = p
 
   # (I + L_II)^{-1} of the NS diagonal blocks by forward substitution, one row at a time, the NS
   # independent chains in one loop (latency-bound steps overlap).
@@ -269,7 +320,7 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
 
   eye = jnp.where(ii == jj, 1.0, 0.0)
   invs = lax.fori_loop(1, BC, subst_step, (eye,) * ns)
-  return Gs, ds, ls, invs
+  return ds, ls, invs
 
 
 def _split_refs(cfg, refs):
@@ -283,7 +334,7 @@ def _split_refs(cfg, refs):
 
 def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
   gate_refs, dseg_ref, (G_ref, X_ref, P_ref, D_ref) = _split_refs(cfg, refs)
-  _, _, _, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
+  _, _, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
                                X_ref, P_ref, Z_ref=D_ref)
   zeros_tile = jnp.zeros((BC, BC), jnp.float32)
   for I in range(cfg.ns):
@@ -291,13 +342,21 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
       D_ref[pl.ds(I * BC, BC), pl.ds(J * BC, BC)] = invs[I] if I == J else zeros_tile
 
 
+def _block_row_product(cfg, m, I, xs):
+  """Row I of a block-lower-triangular product: Σ_{J <= I} m[(I, J)] @ xs[J]."""
+  out = _mm(cfg, m[(I, 0)], xs[0])
+  for J in range(1, I + 1):
+    out = out + _mm(cfg, m[(I, J)], xs[J])
+  return out
+
+
 def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
   """Forward 1 and 2 in one kernel: the block inverses are merged into M tile by tile in
   registers (M_IJ = -D_I Σ_{J<=m<I} L_Im M_mJ), so X, D and G make no HBM round trip."""
   gate_refs, dseg_ref, (G_ref, X_ref, P_ref, M_ref, W_ref, U_ref, kg_ref) = _split_refs(cfg, refs)
-  Gs, ds, ls, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref,
-                                  G_ref, X_ref, P_ref, Z_ref=M_ref)
-  ns = cfg.ns
+  ds, ls, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
+                              X_ref, P_ref, Z_ref=M_ref)
+  ns, K, V = cfg.ns, k_ref.shape[-1], v_ref.shape[-1]
   sub = lambda I: pl.ds(I * BC, BC)
   m = {}
   for I in range(ns):
@@ -309,26 +368,40 @@ def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref
       m[(I, J)] = -_hd(cfg, invs[I], acc)
     for J in range(I + 1):
       M_ref[sub(I), sub(J)] = m[(I, J)]
-  gb = _row(Gs[ns - 1], BC - 1)
-  if cfg.segmented:
-    d_last = jnp.max(ds[ns - 1])
-  for I in range(ns):
-    k_i = _f32(k_ref[sub(I), :])
-    kg = k_i * jnp.exp(gb - Gs[I])
-    if cfg.segmented:  # only the last document reaches the outgoing state
-      kg = jnp.where((ds[I] == d_last)[:, None], kg, 0.0)
-    kg_ref[sub(I), :] = kg.astype(kg_ref.dtype)
-    w = u = None
-    for J in range(I + 1):
-      beta = _f32(beta_ref[sub(J)])[:, None]
-      kb = beta * _f32(k_ref[sub(J), :]) * jnp.exp(Gs[J])
-      if cfg.segmented:  # later documents never see the incoming state
+  betas = [_f32(beta_ref[sub(J)])[:, None] for J in range(ns)]
+  d_last = jnp.max(ds[ns - 1]) if cfg.segmented else None
+  h = pl.program_id(2)
+  bk = _block(K, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
+
+  def k_block(ik, carry):  # W and kg, K block by K block (G recomputed: cheaper than a reload)
+    cols = pl.ds(ik * bk, bk)
+    Gs = _gate_cumsum(cfg, g_ref, gate_refs, h, cols)
+    gb = _row(Gs[ns - 1], BC - 1)
+    kbs = []
+    for J in range(ns):
+      k_j = _f32(k_ref[sub(J), cols])
+      kg = k_j * jnp.exp(gb - Gs[J])
+      kb = betas[J] * k_j * jnp.exp(Gs[J])
+      if cfg.segmented:  # only the last document reaches the outgoing state; later documents
+        kg = jnp.where((ds[J] == d_last)[:, None], kg, 0.0)  # never see the incoming one
         kb = jnp.where((ds[J] == 0)[:, None], kb, 0.0)
-      vb = beta * _f32(v_ref[sub(J), :])
-      dw, du = _mm(cfg, m[(I, J)], kb), _mm(cfg, m[(I, J)], vb)
-      w, u = (dw, du) if w is None else (w + dw, u + du)
-    W_ref[sub(I), :] = w.astype(W_ref.dtype)
-    U_ref[sub(I), :] = u.astype(U_ref.dtype)
+      kg_ref[sub(J), cols] = kg.astype(kg_ref.dtype)
+      kbs.append(kb)
+    for I in range(ns):
+      W_ref[sub(I), cols] = _block_row_product(cfg, m, I, kbs).astype(W_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, K // bk, k_block, 0)
+  bv = _block(V, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
+
+  def v_block(iv, carry):
+    cols = pl.ds(iv * bv, bv)
+    vbs = [betas[J] * _f32(v_ref[sub(J), cols]) for J in range(ns)]
+    for I in range(ns):
+      U_ref[sub(I), cols] = _block_row_product(cfg, m, I, vbs).astype(U_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, V // bv, v_block, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -466,12 +539,14 @@ def _scan_bwd_kernel(cfg: KernelConfig, nt, bv, qg_ref, kg_ref, G_ref, W_ref, P_
 # ----------------------------------------------------------------------------------------------
 def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, vn_ref, M_ref,
                       X_ref, hs_ref, dhs_ref, dvn_ref, do_ref, *refs):
-  # Ordered so that large operands die early (the K×V state and its gradient first, then the
-  # state-side gradients, then the WY part): fewer fp32 tiles live at once, less spilling.
+  # The V-side operands (the K×V state S and its gradient dS, Vn, dVn, do, v) enter only through
+  # sums over V, and dv per V column: they are read one V block of `tuning.dense_bwd_bv` columns at
+  # a time (a loop), so no whole K×V tile is ever live. The K-side terms follow.
   if cfg.segmented:
     dseg_ref, refs = refs[0], refs[1:]
   dP_ref, dX_ref, dq_ref, dk_ref, dG_ref, dv_ref, dbeta_ref = refs
-  C = cfg.chunk
+  C, K, V = cfg.chunk, q_ref.shape[-1], v_ref.shape[-1]
+  bv = _block(V, cfg.tuning.dense_bwd_bv, "tuning.dense_bwd_bv")
   ii, jj = _iota((C, C), 0), _iota((C, C), 1)
   causal = ii >= jj
   strict = ii > jj
@@ -481,18 +556,35 @@ def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, v
     causal = causal & same
     strict = strict & same
     first_doc, last_doc, no_reset = _doc_masks(d)
+  beta = _f32(beta_ref[...])[:, None]
+  m = M_ref[...]
 
-  # State terms: the start state S (hs) and the gradient of the end state dS (dhs).
-  dvn = dvn_ref[...]
-  do = _f32(do_ref[...])
-  vn = vn_ref[...]
-  s = hs_ref[...]
-  ds = dhs_ref[...]
-  dw = -_mm(cfg, dvn, s.T)
-  dqg = _mm(cfg, do, s.T)      # gradient of q e^G (scaled q)
-  dkg = _mm(cfg, vn, ds.T)     # gradient of k e^{b-G}
-  state_db = jnp.sum(_f32(s) * ds, axis=1)[None, :]
-  dP_ref[...] = jnp.where(causal, _mm(cfg, do, vn.T), 0.0)
+  def v_block(iv, acc):
+    dw, dqg, dkg, state_db, dp, dm, dbeta = acc
+    vs = pl.ds(iv * bv, bv)
+    dvn = dvn_ref[:, vs]
+    do = _f32(do_ref[:, vs])
+    vn = vn_ref[:, vs]
+    s = hs_ref[:, vs]
+    ds = dhs_ref[:, vs]
+    dw = dw - _mm(cfg, dvn, s.T)
+    dqg = dqg + _mm(cfg, do, s.T)     # gradient of q e^G (scaled q)
+    dkg = dkg + _mm(cfg, vn, ds.T)    # gradient of k e^{b-G}
+    state_db = state_db + jnp.sum(_f32(s) * ds, axis=1)[None, :]
+    dp = dp + _mm(cfg, do, vn.T)
+    # WY value terms: U = M (β v).
+    v = _f32(v_ref[:, vs])
+    dm = dm + _mm(cfg, dvn, (beta * v).T)
+    dvb = _mm(cfg, m.T, dvn)
+    dv_ref[:, vs] = (beta * dvb).astype(dv_ref.dtype)
+    dbeta = dbeta + jnp.sum(dvb * v, axis=1)
+    return dw, dqg, dkg, state_db, dp, dm, dbeta
+
+  zk, zc = jnp.zeros((C, K), jnp.float32), jnp.zeros((C, C), jnp.float32)
+  dw, dqg, dkg, state_db, dp, dm, dbeta = lax.fori_loop(
+      0, V // bv, v_block, (zk, zk, zk, jnp.zeros((1, K), jnp.float32), zc, zc,
+                            jnp.zeros((C,), jnp.float32)))
+  dP_ref[...] = jnp.where(causal, dp, 0.0)
 
   gb = G_ref[pl.ds(C - 1, 1), :]
   decay = jnp.exp(gb)
@@ -512,25 +604,20 @@ def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, v
   dG = dG - dkg * kgv
   db = decay * state_db + jnp.sum(dkg * kgv, axis=0, keepdims=True)
 
-  # WY terms: W = M (β k e^G), U = M (β v), M = (I + L)^{-1}.
-  beta = _f32(beta_ref[...])[:, None]
-  v = _f32(v_ref[...])
-  m = M_ref[...]
+  # WY key terms: W = M (β k e^G), M = (I + L)^{-1}.
   kt = k * eg
-  kb, vb = beta * kt, beta * v
+  kb = beta * kt
   if cfg.segmented:
     kb = jnp.where(first_doc, kb, 0.0)
-  dm = jnp.where(ii >= jj, _mm(cfg, dw, kb.T) + _mm(cfg, dvn, vb.T), 0.0)
+  dm = jnp.where(ii >= jj, dm + _mm(cfg, dw, kb.T), 0.0)
   dkb = _mm(cfg, m.T, dw)
   if cfg.segmented:
     dkb = jnp.where(first_doc, dkb, 0.0)
-  dvb = _mm(cfg, m.T, dvn)
-  dv_ref[...] = (beta * dvb).astype(dv_ref.dtype)
   # M = (I + L)^{-1}  ⇒  dL = -Mᵀ dM Mᵀ (strictly lower part, within documents).
   dl = -_hd(cfg, _hd(cfg, m.T, dm), m.T)
   dl = jnp.where(strict, dl, 0.0)
   x = X_ref[...]
-  dbeta = jnp.sum(dvb * v, axis=1) + jnp.sum(dkb * kt, axis=1) + jnp.sum(dl * x, axis=1)
+  dbeta = dbeta + jnp.sum(dkb * kt, axis=1) + jnp.sum(dl * x, axis=1)
   dbeta_ref[...] = dbeta
   dX_ref[...] = beta * dl
   dkt = beta * dkb
@@ -540,113 +627,96 @@ def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, v
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward 3: intra-chunk pair terms from dP, dX (sub-tiled), reverse cumsum, gate backward.
+# Backward 3: intra-chunk pair terms from dP, dX, one 16-row sub-tile and K block per program.
+# Backward 4: reverse cumsum of dG within the chunk and the gate's backward.
 # ----------------------------------------------------------------------------------------------
-def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, G_ref, dP_ref, dX_ref, dqp_ref,
-                      dkp_ref, dGp_ref, *refs):
-  # One 16-row sub-tile T at a time, last first (the reverse cumsum carries a tail backwards): its
-  # query-side terms (pairs (T, J), J <= T) and key-side terms (pairs (I, T), I >= T) accumulate in
-  # three [16, K] tiles, and the operands of each pair are re-read from the refs. Holding only one
-  # sub-tile's accumulators keeps the kernel out of local memory.
-  ng = 0 if cfg.gate == "none" else 2
-  gate_refs, out_refs = refs[:ng], refs[ng:]
-  if cfg.gate == "none":
-    dq_ref, dk_ref, dg_ref = out_refs
-  else:
-    dq_ref, dk_ref, dg_ref, da_ref = out_refs
-  h = pl.program_id(2)
+def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, dP_ref, dX_ref, dqp_ref, dkp_ref,
+                      dGp_ref, dq_ref, dk_ref, dG_ref):
+  # One program per chunk, head, K block (`tuning.intra_bwd_bk` columns; every term is per column)
+  # and 16-row sub-tile T (fla's grid: 16 independent programs per chunk and head at K = 128).
+  # T's query-side terms (pairs (T, J), J <= T) and key-side terms (pairs (I, T), I >= T)
+  # accumulate in three [16, bk] tiles. The chunk's q, k, G (all sub-tiles, this K block) and its
+  # dP, dX are the program's blocks; the reverse cumsum over the chunk is the next kernel's.
   ns = cfg.ns
+  T = pl.program_id(3) % ns
   tile = (BC, BC)
   ii, jj = _iota(tile, 0), _iota(tile, 1)
   sub = lambda I: pl.ds(I * BC, BC)
+  rows = sub(T)
   load_q = lambda I: _f32(q_ref[sub(I), :]) * cfg.scale
   load_k = lambda I: _f32(k_ref[sub(I), :])
-  load_ref_row = lambda I: G_ref[pl.ds(I * BC, 1), :]  # the reference r_I (first row of tile I)
+  load_G = lambda I: G_ref[sub(I), :]
+  load_r = lambda I: G_ref[pl.ds(I * BC, 1), :]  # the reference r_I (first row of tile I)
+  G_T, k_T, q_T, r_T = load_G(T), load_k(T), load_q(T), load_r(T)
+  z = jnp.zeros_like(G_T)
+  dp_d = jnp.where(ii >= jj, dP_ref[rows, rows], 0.0)  # the diagonal tile, causal
+  dx_d = jnp.where(ii > jj, dX_ref[rows, rows], 0.0)
 
-  def pair_tiles(I, J):
-    dp = dP_ref[sub(I), sub(J)]
-    dx = dX_ref[sub(I), sub(J)]
-    if I == J:
-      dp = jnp.where(ii >= jj, dp, 0.0)
-      dx = jnp.where(ii > jj, dx, 0.0)
-    return dp, dx
+  # Query side off the diagonal, J < T: both decay factors <= 1, one TF32 dot (fla's choice).
+  def query_pair(J, acc):
+    left_q, left_k = acc
+    kb = load_k(J) * jnp.exp(r_T - load_G(J))
+    return (left_q + _hd(cfg, dP_ref[rows, sub(J)], kb),
+            left_k + _hd(cfg, dX_ref[rows, sub(J)], kb))
 
-  def diag_exact(T):
-    """Exact pairwise decays on the diagonal tile: (left_q, left_k, right)."""
-    G, kt, qt = G_ref[sub(T), :], load_k(T), load_q(T)
-    dp, dx = pair_tiles(T, T)
+  left_q, left_k = lax.fori_loop(0, T, query_pair, (z, z))
+  e_t = jnp.exp(G_T - r_T)
+  # Key side off the diagonal, I > T.
+  def key_pair(I, right):
+    e_i = jnp.exp(load_G(I) - load_r(I))
+    t = (_hd(cfg, dP_ref[sub(I), rows].T, load_q(I) * e_i)
+         + _hd(cfg, dX_ref[sub(I), rows].T, load_k(I) * e_i))
+    return right + jnp.exp(load_r(I) - G_T) * t
 
+  right = lax.fori_loop(T + 1, ns, key_pair, z)
+  if cfg.exact_diag:  # exact pairwise decays on the diagonal tile (any gate)
     def pair_step(j, acc):
       left_q, left_k, right = acc
-      e = jnp.exp(jnp.minimum(G - _row(G, j), 0.0))
-      kje = _row(kt, j) * e
-      dpj, dxj = _col(dp, j), _col(dx, j)
-      left_q = left_q + dpj * kje
-      left_k = left_k + dxj * kje
-      rrow = jnp.sum((dpj * qt + dxj * kt) * e, axis=0, keepdims=True)
-      right = jnp.where(_iota(right.shape, 0) == j, right + rrow, right)
-      return left_q, left_k, right
+      e = jnp.exp(jnp.minimum(G_T - _row(G_T, j), 0.0))
+      kje = _row(k_T, j) * e
+      dpj, dxj = _col(dp_d, j), _col(dx_d, j)
+      rrow = jnp.sum((dpj * q_T + dxj * k_T) * e, axis=0, keepdims=True)
+      return (left_q + dpj * kje, left_k + dxj * kje,
+              jnp.where(_iota(right.shape, 0) == j, right + rrow, right))
 
-    z = jnp.zeros_like(qt)
-    return lax.fori_loop(0, BC, pair_step, (z, z, z))
+    dlq, dlk, right = lax.fori_loop(0, BC, pair_step, (z, z, right))
+    left_q, left_k = e_t * left_q + dlq, e_t * left_k + dlk
+  else:  # factored diagonal tile: the key factor reaches e^{15|g|}, so three TF32 passes
+    kb = k_T * jnp.exp(r_T - G_T)
+    left_q = e_t * (left_q + _hd3(cfg, dp_d, kb))
+    left_k = e_t * (left_k + _hd3(cfg, dx_d, kb))
+    right = right + jnp.exp(r_T - G_T) * (_hd3(cfg, dp_d.T, q_T * e_t)
+                                          + _hd3(cfg, dx_d.T, k_T * e_t))
+  dq_ref[...] = (dqp_ref[...] + cfg.scale * left_q).astype(dq_ref.dtype)
+  dk_ref[...] = (dkp_ref[...] + left_k + right).astype(dk_ref.dtype)
+  dG_ref[...] = dGp_ref[...] + q_T * left_q + k_T * (left_k - right)
 
-  h_a_log, dt = _gate_refs(cfg, gate_refs, h)
-  tail = jnp.zeros((1, q_ref.shape[-1]), jnp.float32)
-  for T in reversed(range(ns)):
-    rows = sub(T)
-    dq = dqp_ref[rows, :]
-    dk = dkp_ref[rows, :]
-    dG = dGp_ref[rows, :]
-    G_T, k_T = G_ref[rows, :], load_k(T)
-    exact = cfg.exact_diag
-    # Query side: pairs (T, J), J <= T (J == T only on the factored path).
-    r_T = load_ref_row(T)
-    e_t = jnp.exp(G_T - r_T)
-    left_q = jnp.zeros_like(dq)
-    left_k = jnp.zeros_like(dq)
-    for J in range(T + 1 if not exact else T):
-      dp, dx = pair_tiles(T, J)
-      kb = load_k(J) * jnp.exp(r_T - G_ref[sub(J), :])
-      left_q = left_q + _hd3(cfg, dp, kb)
-      left_k = left_k + _hd3(cfg, dx, kb)
-    left_q, left_k = e_t * left_q, e_t * left_k
-    # Key side: pairs (I, T), I >= T (I == T only on the factored path).
-    right = jnp.zeros_like(dq)
-    for I in range(T if not exact else T + 1, ns):
-      dp, dx = pair_tiles(I, T)
-      r_I = load_ref_row(I)
-      e_i = jnp.exp(G_ref[sub(I), :] - r_I)
-      right = right + jnp.exp(r_I - G_T) * (_hd3(cfg, dp.T, load_q(I) * e_i)
-                                            + _hd3(cfg, dx.T, load_k(I) * e_i))
-    if exact:
-      lq, lk, rt = diag_exact(T)
-      left_q, left_k, right = left_q + lq, left_k + lk, right + rt
-    q_T = load_q(T)
-    dq = dq + cfg.scale * left_q
-    dk = dk + left_k + right
-    dG = dG + q_T * left_q + k_T * (left_k - right)
 
-    dq_ref[rows, :] = dq.astype(dq_ref.dtype)
-    dk_ref[rows, :] = dk.astype(dk_ref.dtype)
-    total = jnp.sum(dG, axis=0, keepdims=True)
-    dg = total - lax.cumsum(dG, axis=0) + dG + tail  # reverse cumsum within the chunk
-    tail = tail + total
-    if cfg.gate == "none":
-      dg_ref[rows, :] = dg.astype(dg_ref.dtype)
-      continue
-    u = _f32(g_ref[rows, :]) + dt
-    ea = jnp.exp(h_a_log)
-    if cfg.gate == "bounded":
-      z = ea * u
-      sg = jax.nn.sigmoid(z)
-      dz = dg * (cfg.lower_bound * sg * (1.0 - sg))
-      dg_ref[rows, :] = (dz * ea).astype(dg_ref.dtype)
-      # z = -inf on padding (g = 0 there): its gradient factor is 0, keep 0·inf out.
-      da_ref[rows] = jnp.sum(jnp.where(dz != 0.0, dz * z, 0.0), axis=1)
-    else:
-      gval = -ea * jax.nn.softplus(u)
-      dg_ref[rows, :] = (dg * (-ea) * jax.nn.sigmoid(u)).astype(dg_ref.dtype)
-      da_ref[rows] = jnp.sum(jnp.where(dg != 0.0, dg * gval, 0.0), axis=1)
+def _gate_bwd_kernel(cfg: KernelConfig, g_ref, dG_ref, *refs):
+  """dg = reverse cumsum of dG within the chunk (G is the inclusive cumsum of the log gate), then
+  through the fused gate to its input, with the per-token A_log gradient terms."""
+  ng = 0 if cfg.gate == "none" else 2
+  gate_refs, out_refs = refs[:ng], refs[ng:]
+  dG = dG_ref[...]
+  dg = jnp.sum(dG, axis=0, keepdims=True) - lax.cumsum(dG, axis=0) + dG
+  if cfg.gate == "none":
+    out_refs[0][...] = dg
+    return
+  dg_ref, da_ref = out_refs
+  a_log, dt = _gate_refs(cfg, gate_refs, pl.program_id(2), slice(None))
+  ea = jnp.exp(a_log)
+  u = _f32(g_ref[...]) + dt
+  if cfg.gate == "bounded":
+    z = ea * u
+    sg = jax.nn.sigmoid(z)
+    dz = dg * (cfg.lower_bound * sg * (1.0 - sg))
+    dg_ref[...] = dz * ea
+    # z = -inf on padding (g = 0 there): its gradient factor is 0, keep 0·inf out.
+    da_ref[...] = jnp.sum(jnp.where(dz != 0.0, dz * z, 0.0), axis=1)
+  else:
+    gval = -ea * jax.nn.softplus(u)
+    dg_ref[...] = dg * (-ea) * jax.nn.sigmoid(u)
+    da_ref[...] = jnp.sum(jnp.where(dg != 0.0, dg * gval, 0.0), axis=1)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -868,28 +938,42 @@ def dense_bwd(cfg, q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do, dseg=None):
 
 
 def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
-  """Returns dq, dk [B,T,H,K] (input dtype), dg [B,T,H,K] fp32 (w.r.t. the gate input) and, for a
+  """Pair terms (`_intra_bwd_kernel`) then the gate's backward (`_gate_bwd_kernel`).
+
+  Returns dq, dk [B,T,H,K] (input dtype), dg [B,T,H,K] fp32 (w.r.t. the gate input) and, for a
   fused gate, the per-token A_log gradient terms [B,T,H] fp32. dP and dX come masked (causal,
   within documents) from `dense_bwd`."""
   B, T, H, K = q.shape
-  C = cfg.chunk
+  C, ns = cfg.chunk, cfg.ns
   nt = T // C
+  bk = _block(K, cfg.tuning.intra_bwd_bk, "tuning.intra_bwd_bk")
   f32 = jnp.float32
-  in_specs = [_tok_spec(C, K)] * 4 + [_mat_spec(C)] * 2 + [_tok_spec(C, K)] * 3
-  args = [q, k, g, G, dP, dX, dq, dk, dG]
-  out_specs = [_tok_spec(C, K)] * 3
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
-               jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
-               jax.ShapeDtypeStruct((B, T, H, K), f32)]
+  chunk = pl.BlockSpec((None, C, None, bk), lambda b, c, h, p: (b, c, h, p // ns))
+  tile = pl.BlockSpec((None, BC, None, bk), lambda b, c, h, p: (b, c * ns + p % ns, h, p // ns))
+  mat = pl.BlockSpec((None, None, None, C, C), lambda b, c, h, p: (b, c, h, 0, 0))
+  dq, dk, dG = pl.pallas_call(
+      functools.partial(_intra_bwd_kernel, cfg),
+      grid=(B, nt, H, (K // bk) * ns),
+      in_specs=[chunk] * 3 + [mat] * 2 + [tile] * 3, out_specs=[tile] * 3,
+      out_shape=[jax.ShapeDtypeStruct((B, T, H, K), q.dtype),
+                 jax.ShapeDtypeStruct((B, T, H, K), k.dtype),
+                 jax.ShapeDtypeStruct((B, T, H, K), f32)],
+      interpret=cfg.interpret, name="kda_intra_bwd", **_params(cfg, cfg.tuning.intra_bwd_launch),
+  )(q, k, G, dP, dX, dq, dk, dG)
+  in_specs = [_tok_spec(C, K)] * 2
+  args = [g, dG]
+  out_specs = [_tok_spec(C, K)]
+  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), f32)]
   if cfg.gate != "none":
     in_specs += [pl.BlockSpec((H,), lambda b, c, h: (0,)),
                  pl.BlockSpec((None, K), lambda b, c, h: (h, 0))]
     args += [a_log.astype(f32), dt_bias.astype(f32)]
     out_specs.append(_vec_spec(C))
     out_shape.append(jax.ShapeDtypeStruct((B, T, H), f32))
-  return pl.pallas_call(
-      functools.partial(_intra_bwd_kernel, cfg),
+  outs = pl.pallas_call(
+      functools.partial(_gate_bwd_kernel, cfg),
       grid=(B, nt, H),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      interpret=cfg.interpret, name="kda_intra_bwd", **_params(cfg, cfg.tuning.intra_bwd_launch),
+      interpret=cfg.interpret, name="kda_gate_bwd", **_params(cfg, cfg.tuning.gate_bwd_launch),
   )(*args)
+  return (dq, dk) + tuple(outs)

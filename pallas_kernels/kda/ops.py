@@ -263,7 +263,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
       interpret=bool(interpret), state_dtype=jnp.bfloat16 if low_precision else jnp.float32,
       segmented=dseg is not None,
-      tuning=kk.default_tuning(B * H, V) if tuning is None else tuning)
+      tuning=kk.default_tuning(B * H, K, V) if tuning is None else tuning)
   if dseg is not None:
     # Documents numbered within each chunk relative to the token before it, so that 0 is the
     # document the incoming state belongs to (a chunk that starts with a reset has no 0).

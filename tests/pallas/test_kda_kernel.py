@@ -166,6 +166,31 @@ def test_fused_intra_wy_kernel_with_segments():
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
 
+@pytest.mark.parametrize("fuse_wy", [False, True])
+def test_kernels_in_k_and_v_blocks(fuse_wy):
+  """Blocks of 16: the intra-chunk kernels work on 2 K blocks (the fused kernel's U and dense_bwd
+  on 3 V blocks), with resets inside chunks, against the recurrence."""
+  d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=9)
+  seg = _segments(SEGMENT_ROWS, 100)
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
+                        tuning=kk.Tuning(fuse_wy=fuse_wy, intra_fwd_bk=16, intra_bwd_bk=16,
+                                         dense_bwd_bv=16))
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
+
+
+def test_exact_diagonal_in_k_blocks():
+  """Unbounded softplus gate (exact diagonal tiles) with 2 K blocks of 16. (The gate gradients
+  dx, A_log, dt_bias cancel at this gate scale: 1e-4 to 5e-4 with one K block as well.)"""
+  d = _inputs(B=1, T=40, H=1, K=32, V=16, seed=10)
+  d["A_log"] = jnp.full_like(d["A_log"], math.log(50.0))
+  errs = _compare_fused(d, lower_bound=None, chunk_size=16,
+                        tuning=kk.Tuning(intra_fwd_bk=16, intra_bwd_bk=16))
+  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
+  for n in ("dq", "dk", "dv", "dbeta", "dh0"):
+    assert errs[n] <= 1e-4, errs
+
+
 def test_segment_ids_exact_path_and_padding_outputs():
   """Pre-activated g below -5 (exact diagonal tiles) with segments, chunk 16; outputs are zero at
   padding and each row's final state is that of its last document."""
@@ -228,6 +253,8 @@ def test_bad_arguments():
     chunk_kda(q, k, v, x, beta, lower_bound=-5.0)
   with pytest.raises(ValueError, match="chunk_size"):
     chunk_kda(q, k, v, x, beta, chunk_size=24)
+  with pytest.raises(ValueError, match="tuning.intra_fwd_bk"):
+    chunk_kda(q, k, v, x, beta, tuning=kk.Tuning(intra_fwd_bk=12))
   with pytest.raises(ValueError, match="cu_seqlens requires B == 1"):
     chunk_kda(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]),
               jnp.concatenate([x, x]), jnp.concatenate([beta, beta]),
