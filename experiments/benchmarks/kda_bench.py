@@ -3,11 +3,12 @@
 Same inputs for all (bf16 q, k, v, raw gate, beta; A_log = dt_bias = 0; bounded gate lower_bound -5;
 q/k L2-norm in the op). Prints one JSON line per measurement:
 - correctness at a small shape vs the fp32 `recurrent_kda` (RMS error ratio of o, final state, grads);
-- timings (ms, median of timed runs after warm-up) of forward and forward+backward;
+- timings (ms per call; JAX: median over 5 batches of calls dispatched back to back, see `time_jax`;
+  fla: triton's do_bench) of forward and forward+backward;
 - TFLOP/s by the chunk FLOP count of the Kimi Linear paper (eq. 13: per head 6·T·d² + 3·T·C·d + T·C²,
   forward; forward+backward counted as 3× that);
-- peak GPU memory of forward+backward at the largest T (separate process per framework is not
-  needed: JAX's allocator stats and torch's max_memory_allocated are read separately).
+- memory of forward+backward at every shape: for JAX the compiled step's inputs + outputs +
+  temporaries (XLA's memory analysis), for fla torch's max_memory_allocated after a reset.
 
 With --stages, each Pallas kernel is first timed alone over launch candidates (`STAGE_LAUNCHES`,
 V blocks of the scans) and the end-to-end timings use the fastest (`kernels.Tuning`); --segments adds
@@ -34,6 +35,7 @@ import numpy as np  # noqa: E402
 
 from k3jax.ops import kda as kda_ops  # noqa: E402
 from pallas_kernels.kda import chunk_kda as pallas_chunk_kda  # noqa: E402
+from pallas_kernels.kda import kernels as kk  # noqa: E402
 
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (1, 131072, 16, 128), (2, 8192, 32, 128)]
 LB = -5.0
@@ -72,14 +74,22 @@ def jax_fns(impl, tuning=None, segment_ids=None):
   return jax.jit(fwd), jax.jit(fwdbwd)
 
 
-def time_jax(fn, args, reps=20, warmup=3):
-  for _ in range(warmup):
+def time_jax(fn, args, reps=20, warmup=3, min_warmup_s=0.3, batches=5):
+  """ms per call: the median over `batches` of the mean of `reps` calls dispatched back to back and
+  synchronised once (device time without a host round trip per call, as triton's do_bench measures
+  fla). The warm-up lasts at least `min_warmup_s`, so that the GPU clocks are up again after a
+  compilation (short timings right after one read up to 20% slow)."""
+  t0, n = time.perf_counter(), 0
+  while n < warmup or time.perf_counter() - t0 < min_warmup_s:
     jax.block_until_ready(fn(*args))
+    n += 1
   ts = []
-  for _ in range(reps):
+  for _ in range(batches):
     t = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    ts.append((time.perf_counter() - t) * 1e3)
+    for _ in range(reps):
+      out = fn(*args)  # the previous output is freed: one result live at a time
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t) * 1e3 / reps)
   return statistics.median(ts)
 
 
@@ -178,8 +188,11 @@ def bench_jax(impl, B, T, H, D, modes, tuning=None, segments=False):
     if "fwdbwd" in modes:
       row["fwdbwd_ms"] = round(time_jax(fwdbwd, args + [bf(x["do"])]), 3)
       row["fwdbwd_tflops"] = round(3 * fl / row["fwdbwd_ms"] / 1e9, 1)
-      stats = jax.devices()[0].memory_stats() or {}
-      row["peak_gib_process"] = round(stats.get("peak_bytes_in_use", 0) / 2**30, 2)
+      # Inputs + outputs + XLA's temporaries of the compiled step (what torch's
+      # max_memory_allocated counts for fla: the process peak would carry earlier shapes).
+      ma = fwdbwd.lower(*args, bf(x["do"])).compile().memory_analysis()
+      row["peak_gib"] = round((ma.argument_size_in_bytes + ma.output_size_in_bytes
+                               + ma.temp_size_in_bytes) / 2**30, 2)
   except Exception as e:  # record and go on (e.g. out of memory for XLA at long T)
     row["error"] = repr(e)[:300]
   emit(**row)
@@ -217,22 +230,28 @@ def bench_fla(B, T, H, D, modes):
 
 
 STAGE_LAUNCHES = {  # candidates swept by --stages: (num_warps, num_stages)
-    "intra_fwd": [(4, 1), (8, 1)],
+    "intra_fwd": [(1, 1), (2, 1), (4, 1)],
     "wy_fwd": [(4, 1), (8, 1)],
     "scan_fwd": [(4, 1), (4, 3), (8, 3)],
     "out_fwd": [(4, 1), (8, 1)],
     "scan_bwd": [(4, 1), (4, 3), (8, 3)],
     "dense_bwd": [(4, 1), (8, 1)],
-    "intra_bwd": [(4, 1), (8, 1)],
+    "intra_bwd": [(1, 1), (2, 1), (4, 1), (8, 1)],
 }
+INTRA_BK = [16, 32, 64]  # K blocks of the intra-chunk kernels
+DENSE_BV = [32, 64, 128]  # V blocks of dense_bwd's loop
 SCAN_BV = [32, 64]
 SCAN_BV_NARROW = [16, 32, 64]  # few rows × heads: smaller V blocks give more programs
 
 
-def bench_stages(B, T, H, D, scans_only=False, base=None):
+STAGES = ("intra_fwd", "wy_fwd", "intra_wy_fwd", "scan_fwd", "out_fwd", "scan_bwd", "dense_bwd",
+          "intra_bwd")
+
+
+def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   """Times each kernel alone (bounded fused gate, bf16) over the launch candidates; returns the
-  fastest `Tuning` (scans_only: sweep only the two sequential scans, keep `base` for the rest)."""
-  from pallas_kernels.kda import kernels as kk
+  fastest `Tuning` (scans_only: sweep only the two sequential scans, keep `base` for the rest).
+  Kernels not in `sweep` run once with `base` (default: `kernels.default_tuning`)."""
   from pallas_kernels.kda import ops as kops
   x = make_inputs(B, T, H, D)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
@@ -244,7 +263,7 @@ def bench_stages(B, T, H, D, scans_only=False, base=None):
   first = jnp.broadcast_to((jnp.arange(nt) == 0).astype(jnp.int32), (B, nt))
   last = jnp.broadcast_to((jnp.arange(nt) == nt - 1).astype(jnp.int32), (B, nt))
   h0 = jnp.zeros((B + 1, H, D, D), jnp.float32)
-  best = dict(dataclasses.asdict(base or kk.Tuning()))
+  best = dict(dataclasses.asdict(base or kk.default_tuning(B * H, D, D)))
   row = dict(kind="stages", B=B, T=T, H=H, D=D)
 
   def cfg_for(**over):
@@ -254,9 +273,11 @@ def bench_stages(B, T, H, D, scans_only=False, base=None):
 
   def stage(name, fn, args, variants):
     """variants: list of Tuning overrides; keeps the fastest in `best`, returns its outputs."""
+    if name not in sweep:
+      variants = [{}]
     times, outs, fastest = {}, None, float("inf")
     for over in variants:
-      key = ",".join(f"{v}" for v in over.values())
+      key = ",".join(f"{v}" for v in over.values()) or "base"
       try:
         f = jax.jit(functools.partial(fn, cfg_for(**over)))
         out = f(*args)
@@ -274,18 +295,22 @@ def bench_stages(B, T, H, D, scans_only=False, base=None):
     return outs
 
   launches = lambda name: [{f"{name}_launch": l} for l in STAGE_LAUNCHES[name]]
+  blocked = lambda name, bk_name, **fixed: [  # launches × K blocks of an intra-chunk kernel
+      {f"{name}_launch": l, bk_name: bk, **fixed} for l in STAGE_LAUNCHES[name]
+      for bk in INTRA_BK if bk <= D]
   scan_variants = lambda name, bvk: [
       {f"{name}_launch": l, bvk: bv} for bv in (SCAN_BV_NARROW if scans_only else SCAN_BV)
       for l in (STAGE_LAUNCHES[name][:2] if scans_only else STAGE_LAUNCHES[name])]
   keep = lambda name: launches(name) if not scans_only else [{}]
-  G, X, P, Dm = stage("intra_fwd", kk.intra_fwd, (q, k, graw, beta, a_log, dt), keep("intra_fwd"))
+  G, X, P, Dm = stage("intra_fwd", kk.intra_fwd, (q, k, graw, beta, a_log, dt),
+                      blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
   M, W, U, kg = stage("wy_fwd", kk.wy_fwd, (k, v, beta, G, X, Dm), keep("wy_fwd"))
-  if not scans_only:  # the two kernels fused: keep it if faster than the pair
+  if not scans_only and "intra_wy_fwd" in sweep:  # fused: kept if faster than the pair
     split_ms = min(row["intra_fwd_ms"].values()) + min(row["wy_fwd_ms"].values())
-    split = {n: best[n] for n in ("intra_fwd_launch", "fuse_wy")}
+    split = {n: best[n] for n in ("intra_fwd_launch", "intra_fwd_bk", "fuse_wy")}
     try:
       stage("intra_wy_fwd", kk.intra_wy_fwd, (q, k, v, graw, beta, a_log, dt),
-            [{"intra_fwd_launch": l, "fuse_wy": True} for l in STAGE_LAUNCHES["intra_fwd"]])
+            blocked("intra_fwd", "intra_fwd_bk", fuse_wy=True))
       if min(row["intra_wy_fwd_ms"].values()) >= split_ms:
         best.update(split)
     except RuntimeError:  # no variant compiled: keep the pair
@@ -297,11 +322,12 @@ def bench_stages(B, T, H, D, scans_only=False, base=None):
   dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd,
                       (qg, kg, G, W, P, do, jnp.zeros_like(h0), seq, first, last),
                       scan_variants("scan_bwd", "bv_bwd"))
-  dP, dX, dq, dk, dG, dv, db = stage("dense_bwd", kk.dense_bwd,
-                                     (q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do),
-                                     keep("dense_bwd"))
+  dP, dX, dq, dk, dG, dv, db = stage(
+      "dense_bwd", kk.dense_bwd, (q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do),
+      [{"dense_bwd_launch": l, "dense_bwd_bv": bv} for l in STAGE_LAUNCHES["dense_bwd"]
+       for bv in DENSE_BV if bv <= D] if not scans_only else [{}])
   stage("intra_bwd", kk.intra_bwd, (q, k, graw, G, dP, dX, dq, dk, dG, a_log, dt),
-        keep("intra_bwd"))
+        blocked("intra_bwd", "intra_bwd_bk") if not scans_only else [{}])
   tuning = kk.Tuning(**best)
   row["best"] = {n: list(v) if isinstance(v, tuple) else v for n, v in best.items()}
   first = ("intra_wy_fwd",) if best["fuse_wy"] else ("intra_fwd", "wy_fwd")
@@ -325,6 +351,12 @@ def main():
                  help="also time the Pallas path with segment ids (~1000-token documents)")
   p.add_argument("--xla-max-tokens", type=int, default=65536,
                  help="skip the XLA path above this many tokens per row (memory / time)")
+  p.add_argument("--sweep", default=",".join(STAGES),
+                 help="with --stages, the kernels whose launch candidates are swept (the others "
+                      "run once with kernels.default_tuning)")
+  p.add_argument("--tuning", default="",
+                 help="JSON of kernels.Tuning fields for every shape (e.g. the 'best' of an "
+                      "earlier --stages run); without it, kernels.default_tuning")
   a = p.parse_args()
   impls = a.impls.split(",")
   modes = a.modes.split(",")
@@ -332,16 +364,33 @@ def main():
                                              for s in a.shapes.split(",")]
   emit(kind="env", device=str(jax.devices()[0]), jax=jax.__version__)
   tuned = {}
+  if a.tuning:
+    fields = {n: tuple(v) if isinstance(v, list) else v for n, v in json.loads(a.tuning).items()}
+    tuned = {s: kk.Tuning(**fields) for s in shapes}
   if a.stages:
-    wide = bench_stages(*shapes[0])
-    narrow = wide
-    if any(B * H < 64 for B, _, H, _ in shapes):  # few rows × heads: sweep the scans there too
-      B, T, H, D = next(s for s in shapes if s[0] * s[2] < 64)
-      narrow = bench_stages(B, min(T, 32768), H, D, scans_only=True, base=wide)
-    tuned = {s: (wide if s[0] * s[2] >= 64 else narrow) for s in shapes}
+    sweep = tuple(a.sweep.split(","))
+    unknown = set(sweep) - set(STAGES)
+    if unknown:
+      raise SystemExit(f"--sweep: unknown kernels {sorted(unknown)}; allowed: {', '.join(STAGES)}")
+    wide = bench_stages(*shapes[0], sweep=sweep)
+    if {"scan_fwd", "scan_bwd"} & set(sweep):
+      narrow = wide
+      if any(B * H < 64 for B, _, H, _ in shapes):  # few rows × heads: sweep the scans there too
+        B, T, H, D = next(s for s in shapes if s[0] * s[2] < 64)
+        narrow = bench_stages(B, min(T, 32768), H, D, scans_only=True, base=wide)
+      tuned = {s: (wide if s[0] * s[2] >= 64 else narrow) for s in shapes}
+    else:  # the scans keep their per-shape defaults
+      scan_fields = ("scan_fwd_launch", "scan_bwd_launch", "bv_fwd", "bv_bwd")
+      tuned = {}
+      for B, T, H, D in shapes:
+        default = kk.default_tuning(B * H, D, D)
+        tuned[(B, T, H, D)] = dataclasses.replace(
+            wide, **{f: getattr(default, f) for f in scan_fields})
   if not a.skip_correctness:
-    correctness(with_fla=False, tuning=tuned.get(shapes[0]))
-    correctness(with_fla=False, tuning=tuned.get(shapes[0]), segments=True)
+    B, _, H, D = shapes[0]
+    t0 = tuned.get(shapes[0]) or kk.default_tuning(B * H, D, D)
+    correctness(with_fla=False, tuning=t0)
+    correctness(with_fla=False, tuning=t0, segments=True)
   for impl in impls:  # in the order given: fla's first call autotunes for minutes
     for shape in shapes:
       if impl == "fla":
