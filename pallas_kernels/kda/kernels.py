@@ -160,8 +160,10 @@ def _hd(cfg, a, b):
 
 def _hd3(cfg, a, b):
   """fp32-operand dot at about fp32 accuracy: three TF32 products (hi·hi + hi·lo + lo·hi) when
-  compiled for bf16 inputs. Used by the backward pair terms, whose gate gradients cancel in sums
-  over tokens (plain TF32 made the summed dt_bias / A_log gradients 4-10x worse than fla's)."""
+  compiled for bf16 inputs. Used by the backward's diagonal pair tiles, whose key factor reaches
+  e^{15|g|} and whose gate gradients cancel in sums over tokens (plain TF32 on every pair tile
+  made the summed dt_bias / A_log gradients 4-10x worse than fla's in run 2; on the off-diagonal
+  tiles alone it changes nothing measurable, run 4)."""
   if cfg.mm_dtype == jnp.float32 or cfg.interpret:
     return _hd(cfg, a, b)
   return jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32),
@@ -239,8 +241,8 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
   Z_ref if given) and the inverses of the diagonal blocks of I + L.
 
   The pair tiles are sums over K: they accumulate over K blocks of `tuning.intra_fwd_bk` columns
-  (a loop), so only [BC, bk] operands are live at a time (fla's layout; the whole K width kept the
-  kernel's operands in local memory).
+  (a loop), so only [BC, bk] operands are live at a time (fla's layout; on the H200, 3.65 → 1.07 ms
+  at (8, 4096, 16, 128) against the whole K width, RESULTS.md run 4).
 
   Returns (ds, ls, invs): document numbers per sub-tile [BC] (None unless segmented); L = diag(β) X
   tiles {(I, J): [BC, BC]} for J <= I; (I + L_II)^{-1} per I.
@@ -335,7 +337,7 @@ def _split_refs(cfg, refs):
 def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
   gate_refs, dseg_ref, (G_ref, X_ref, P_ref, D_ref) = _split_refs(cfg, refs)
   _, _, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
-                               X_ref, P_ref, Z_ref=D_ref)
+                            X_ref, P_ref, Z_ref=D_ref)
   zeros_tile = jnp.zeros((BC, BC), jnp.float32)
   for I in range(cfg.ns):
     for J in range(I + 1):
@@ -373,7 +375,9 @@ def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref
   h = pl.program_id(2)
   bk = _block(K, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
 
-  def k_block(ik, carry):  # W and kg, K block by K block (G recomputed: cheaper than a reload)
+  # W and kg, K block by K block. G is recomputed rather than read back from G_ref: other threads
+  # of this program wrote it, and nothing orders those stores before these loads.
+  def k_block(ik, carry):
     cols = pl.ds(ik * bk, bk)
     Gs = _gate_cumsum(cfg, g_ref, gate_refs, h, cols)
     gb = _row(Gs[ns - 1], BC - 1)
