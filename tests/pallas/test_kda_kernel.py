@@ -156,25 +156,23 @@ def test_segment_ids_fp32_all_grads():
 
 
 def test_fused_intra_wy_kernel_with_segments():
-  """`Tuning(fuse_wy=True)`: the block-inverse merge in registers (chunk 64 = 4 sub-tiles), with
-  resets inside chunks, against the recurrence."""
-  d = _inputs(B=2, T=100, H=1, K=32, V=16, seed=8)
+  """`Tuning(fuse_wy=True)`: the block-inverse merge in registers (chunk 64 = 4 sub-tiles), W in 2
+  K blocks and U in 3 V blocks of 16, with resets inside chunks, against the recurrence."""
+  d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=8)
   seg = _segments(SEGMENT_ROWS, 100)
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
-                        tuning=kk.Tuning(fuse_wy=True))
+                        tuning=kk.Tuning(fuse_wy=True, intra_fwd_bk=16))
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
 
-@pytest.mark.parametrize("fuse_wy", [False, True])
-def test_kernels_in_k_and_v_blocks(fuse_wy):
-  """Blocks of 16: the intra-chunk kernels work on 2 K blocks (the fused kernel's U and dense_bwd
-  on 3 V blocks), with resets inside chunks, against the recurrence."""
+def test_kernels_in_k_and_v_blocks():
+  """Blocks of 16: the intra-chunk kernels work on 2 K blocks and dense_bwd on 3 V blocks, with
+  resets inside chunks, against the recurrence."""
   d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=9)
   seg = _segments(SEGMENT_ROWS, 100)
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
-                        tuning=kk.Tuning(fuse_wy=fuse_wy, intra_fwd_bk=16, intra_bwd_bk=16,
-                                         dense_bwd_bv=16))
+                        tuning=kk.Tuning(intra_fwd_bk=16, intra_bwd_bk=16, dense_bwd_bv=16))
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
