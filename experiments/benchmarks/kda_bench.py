@@ -235,11 +235,11 @@ STAGE_LAUNCHES = {  # candidates swept by --stages: (num_warps, num_stages)
     "scan_fwd": [(4, 1), (4, 3), (8, 3)],
     "out_fwd": [(4, 1), (8, 1)],
     "scan_bwd": [(4, 1), (4, 3), (8, 3)],
-    "dense_bwd": [(4, 1), (8, 1)],
+    "dense_bwd": [(8, 1)],  # (4, 1) measured 1.8x slower in runs 3 and 4
     "intra_bwd": [(1, 1), (2, 1), (4, 1), (8, 1)],
 }
 INTRA_BK = [16, 32, 64]  # K blocks of the intra-chunk kernels
-DENSE_BV = [32, 64, 128]  # V blocks of dense_bwd's loop
+DENSE_BLOCKS = [(bv, bk) for bv in (32, 64) for bk in (32, 64, 128)]  # dense_bwd's (V, K) blocks
 SCAN_BV = [32, 64]
 SCAN_BV_NARROW = [16, 32, 64]  # few rows × heads: smaller V blocks give more programs
 
@@ -324,8 +324,9 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
                       scan_variants("scan_bwd", "bv_bwd"))
   dP, dX, dq, dk, dG, dv, db = stage(
       "dense_bwd", kk.dense_bwd, (q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do),
-      [{"dense_bwd_launch": l, "dense_bwd_bv": bv} for l in STAGE_LAUNCHES["dense_bwd"]
-       for bv in DENSE_BV if bv <= D] if not scans_only else [{}])
+      [{"dense_bwd_launch": l, "dense_bwd_bv": bv, "dense_bwd_bk": bk}
+       for l in STAGE_LAUNCHES["dense_bwd"] for bv, bk in DENSE_BLOCKS if bv <= D and bk <= D]
+      if not scans_only else [{}])
   stage("intra_bwd", kk.intra_bwd, (q, k, graw, G, dP, dX, dq, dk, dG, a_log, dt),
         blocked("intra_bwd", "intra_bwd_bk") if not scans_only else [{}])
   tuning = kk.Tuning(**best)

@@ -31,9 +31,9 @@ pairwise differences e^{min(G_i - G_j, 0)} (16 rank-1 steps on the vector units)
 
 Kernels (grid: what one program does). Forward: intra_fwd (B, NT, H: one chunk, its K columns in
 blocks of `Tuning.intra_fwd_bk`, a loop), wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over
-the chunks), out_fwd (B, NT, H). Backward: scan_bwd (B, H, V/bv), dense_bwd (B, NT, H: V in blocks of
-`Tuning.dense_bwd_bv`, a loop), intra_bwd (B, NT, H, K/bk · NS: one 16-row sub-tile and K block),
-gate_bwd (B, NT, H). Small register tiles and many programs were what made the intra-chunk kernels
+the chunks), out_fwd (B, NT, H). Backward: scan_bwd (B, H, V/bv), dense_bwd (B, NT, H: loops over
+V and K blocks, `Tuning.dense_bwd_bv` / `dense_bwd_bk`), intra_bwd (B, NT, H, K/bk · NS: one
+16-row sub-tile and K block), gate_bwd (B, NT, H). Small register tiles and many programs were what made the intra-chunk kernels
 fast on the H200 (RESULTS.md, run 4).
 """
 from __future__ import annotations
@@ -59,7 +59,7 @@ class Tuning:
   the first two forward kernels as one (`intra_wy_fwd`, launched with `intra_fwd_launch`).
   `intra_fwd_bk` / `intra_bwd_bk` are the K (and V) blocks of the loops of the intra-chunk forward
   kernels (`intra_fwd`, `intra_wy_fwd`) and of `intra_bwd`; they apply in the interpreter too.
-  `dense_bwd_bv`: the V block of `dense_bwd`'s loop over the state's columns.
+  `dense_bwd_bv` / `dense_bwd_bk`: the V and K blocks of `dense_bwd`'s loops.
   """
   intra_fwd_launch: tuple = (4, 1)
   wy_fwd_launch: tuple = (4, 1)
@@ -74,6 +74,7 @@ class Tuning:
   intra_fwd_bk: int = 64
   intra_bwd_bk: int = 64
   dense_bwd_bv: int = 128
+  dense_bwd_bk: int = 128
   gate_bwd_launch: tuple = (4, 1)
 
 
@@ -83,7 +84,7 @@ def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
 
   With few rows × heads the scans run on few programs: smaller V blocks (more programs) and a
   3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do. The intra-chunk
-  forward runs best on one warp over 16-column K blocks, dense_bwd on 8 warps over 64-column V
+  forward runs best on one warp over 16-column K blocks, dense_bwd on 8 warps over 64 × 64 (V, K)
   blocks, intra_bwd on 2 warps per 64-column K block. (A head dim that the block does not divide,
   possible in the interpreter, is one block.)
   """
@@ -94,8 +95,8 @@ def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
   fit = lambda block, width: block if width % block == 0 else width
   return Tuning(intra_fwd_launch=(1, 1), intra_fwd_bk=fit(16, K), scan_fwd_launch=(4, 3),
                 scan_bwd_launch=scan_bwd, dense_bwd_launch=(8, 1), dense_bwd_bv=fit(64, V),
-                intra_bwd_launch=(2, 1), intra_bwd_bk=fit(64, K), bv_fwd=min(bv_fwd, V),
-                bv_bwd=min(bv_bwd, V))
+                dense_bwd_bk=fit(64, K), intra_bwd_launch=(2, 1), intra_bwd_bk=fit(64, K),
+                bv_fwd=min(bv_fwd, V), bv_bwd=min(bv_bwd, V))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -543,14 +544,17 @@ def _scan_bwd_kernel(cfg: KernelConfig, nt, bv, qg_ref, kg_ref, G_ref, W_ref, P_
 # ----------------------------------------------------------------------------------------------
 def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, vn_ref, M_ref,
                       X_ref, hs_ref, dhs_ref, dvn_ref, do_ref, *refs):
-  # The V-side operands (the K×V state S and its gradient dS, Vn, dVn, do, v) enter only through
-  # sums over V, and dv per V column: they are read one V block of `tuning.dense_bwd_bv` columns at
-  # a time (a loop), so no whole K×V tile is ever live. The K-side terms follow.
+  # Two loops, so that no whole K×V or C×K fp32 tile is live. First the V-side terms (dP, dv, the
+  # U part of dM and dβ), one V block of `tuning.dense_bwd_bv` columns at a time. Then the K-side
+  # terms, one K block of `tuning.dense_bwd_bk` columns at a time: the state terms of the block
+  # (sums over V, an inner loop over V blocks that reads each state tile once), then its
+  # elementwise gradients and its share of dM and dβ.
   if cfg.segmented:
     dseg_ref, refs = refs[0], refs[1:]
   dP_ref, dX_ref, dq_ref, dk_ref, dG_ref, dv_ref, dbeta_ref = refs
   C, K, V = cfg.chunk, q_ref.shape[-1], v_ref.shape[-1]
   bv = _block(V, cfg.tuning.dense_bwd_bv, "tuning.dense_bwd_bv")
+  bk = _block(K, cfg.tuning.dense_bwd_bk, "tuning.dense_bwd_bk")
   ii, jj = _iota((C, C), 0), _iota((C, C), 1)
   causal = ii >= jj
   strict = ii > jj
@@ -563,71 +567,78 @@ def _dense_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, beta_ref, G_ref, v
   beta = _f32(beta_ref[...])[:, None]
   m = M_ref[...]
 
-  def v_block(iv, acc):
-    dw, dqg, dkg, state_db, dp, dm, dbeta = acc
+  def v_block(iv, acc):  # WY value terms: U = M (β v); and dP
+    dp, dm, dbeta = acc
     vs = pl.ds(iv * bv, bv)
     dvn = dvn_ref[:, vs]
-    do = _f32(do_ref[:, vs])
-    vn = vn_ref[:, vs]
-    s = hs_ref[:, vs]
-    ds = dhs_ref[:, vs]
-    dw = dw - _mm(cfg, dvn, s.T)
-    dqg = dqg + _mm(cfg, do, s.T)     # gradient of q e^G (scaled q)
-    dkg = dkg + _mm(cfg, vn, ds.T)    # gradient of k e^{b-G}
-    state_db = state_db + jnp.sum(_f32(s) * ds, axis=1)[None, :]
-    dp = dp + _mm(cfg, do, vn.T)
-    # WY value terms: U = M (β v).
     v = _f32(v_ref[:, vs])
+    dp = dp + _mm(cfg, _f32(do_ref[:, vs]), vn_ref[:, vs].T)
     dm = dm + _mm(cfg, dvn, (beta * v).T)
     dvb = _mm(cfg, m.T, dvn)
     dv_ref[:, vs] = (beta * dvb).astype(dv_ref.dtype)
-    dbeta = dbeta + jnp.sum(dvb * v, axis=1)
-    return dw, dqg, dkg, state_db, dp, dm, dbeta
+    return dp, dm, dbeta + jnp.sum(dvb * v, axis=1)
 
-  zk, zc = jnp.zeros((C, K), jnp.float32), jnp.zeros((C, C), jnp.float32)
-  dw, dqg, dkg, state_db, dp, dm, dbeta = lax.fori_loop(
-      0, V // bv, v_block, (zk, zk, zk, jnp.zeros((1, K), jnp.float32), zc, zc,
-                            jnp.zeros((C,), jnp.float32)))
+  zc = jnp.zeros((C, C), jnp.float32)
+  dp, dm, dbeta = lax.fori_loop(0, V // bv, v_block, (zc, zc, jnp.zeros((C,), jnp.float32)))
   dP_ref[...] = jnp.where(causal, dp, 0.0)
+  last_row = _iota((C, bk), 0) == C - 1
 
-  gb = G_ref[pl.ds(C - 1, 1), :]
-  decay = jnp.exp(gb)
-  if cfg.segmented:
-    dqg = jnp.where(first_doc, dqg, 0.0)
-    dkg = jnp.where(last_doc, dkg, 0.0)
-    decay = jnp.where(no_reset, decay, 0.0)
-  G = G_ref[...]
-  eg = jnp.exp(G)
-  q = _f32(q_ref[...]) * cfg.scale
-  dq_ref[...] = cfg.scale * dqg * eg
-  dG = dqg * q * eg
-  k = _f32(k_ref[...])
-  egb = jnp.exp(gb - G)
-  kgv = k * egb
-  dk = dkg * egb
-  dG = dG - dkg * kgv
-  db = decay * state_db + jnp.sum(dkg * kgv, axis=0, keepdims=True)
+  def k_block(ik, acc):
+    dm, dbeta = acc
+    ks = pl.ds(ik * bk, bk)
 
-  # WY key terms: W = M (β k e^G), M = (I + L)^{-1}.
-  kt = k * eg
-  kb = beta * kt
-  if cfg.segmented:
-    kb = jnp.where(first_doc, kb, 0.0)
-  dm = jnp.where(ii >= jj, dm + _mm(cfg, dw, kb.T), 0.0)
-  dkb = _mm(cfg, m.T, dw)
-  if cfg.segmented:
-    dkb = jnp.where(first_doc, dkb, 0.0)
+    def state_terms(iv, acc):  # the start state S (hs) and the gradient dS of the end state
+      dw, dqg, dkg, state_db = acc
+      vs = pl.ds(iv * bv, bv)
+      s = hs_ref[ks, vs]
+      ds = dhs_ref[ks, vs]
+      return (dw - _mm(cfg, dvn_ref[:, vs], s.T),
+              dqg + _mm(cfg, _f32(do_ref[:, vs]), s.T),  # gradient of q e^G (scaled q)
+              dkg + _mm(cfg, vn_ref[:, vs], ds.T),       # gradient of k e^{b-G}
+              state_db + jnp.sum(_f32(s) * ds, axis=1)[None, :])
+
+    zk = jnp.zeros((C, bk), jnp.float32)
+    dw, dqg, dkg, state_db = lax.fori_loop(0, V // bv, state_terms,
+                                           (zk, zk, zk, jnp.zeros((1, bk), jnp.float32)))
+    G = G_ref[:, ks]
+    gb = G_ref[pl.ds(C - 1, 1), ks]
+    decay = jnp.exp(gb)
+    if cfg.segmented:
+      dqg = jnp.where(first_doc, dqg, 0.0)
+      dkg = jnp.where(last_doc, dkg, 0.0)
+      decay = jnp.where(no_reset, decay, 0.0)
+    eg = jnp.exp(G)
+    q = _f32(q_ref[:, ks]) * cfg.scale
+    dq_ref[:, ks] = cfg.scale * dqg * eg
+    dG = dqg * q * eg
+    k = _f32(k_ref[:, ks])
+    egb = jnp.exp(gb - G)
+    kgv = k * egb
+    dk = dkg * egb
+    dG = dG - dkg * kgv
+    db = decay * state_db + jnp.sum(dkg * kgv, axis=0, keepdims=True)
+    # WY key terms: W = M (β k e^G).
+    kt = k * eg
+    kb = beta * kt
+    if cfg.segmented:
+      kb = jnp.where(first_doc, kb, 0.0)
+    dm = dm + _mm(cfg, dw, kb.T)
+    dkb = _mm(cfg, m.T, dw)
+    if cfg.segmented:
+      dkb = jnp.where(first_doc, dkb, 0.0)
+    dkt = beta * dkb
+    dk_ref[:, ks] = dk + dkt * eg
+    dG = dG + dkt * kt
+    dG_ref[:, ks] = jnp.where(last_row, dG + db, dG)
+    return dm, dbeta + jnp.sum(dkb * kt, axis=1)
+
+  dm, dbeta = lax.fori_loop(0, K // bk, k_block, (dm, dbeta))
+  dm = jnp.where(ii >= jj, dm, 0.0)
   # M = (I + L)^{-1}  ⇒  dL = -Mᵀ dM Mᵀ (strictly lower part, within documents).
   dl = -_hd(cfg, _hd(cfg, m.T, dm), m.T)
   dl = jnp.where(strict, dl, 0.0)
-  x = X_ref[...]
-  dbeta = dbeta + jnp.sum(dkb * kt, axis=1) + jnp.sum(dl * x, axis=1)
-  dbeta_ref[...] = dbeta
+  dbeta_ref[...] = dbeta + jnp.sum(dl * X_ref[...], axis=1)
   dX_ref[...] = beta * dl
-  dkt = beta * dkb
-  dk_ref[...] = dk + dkt * eg
-  dG = dG + dkt * kt
-  dG_ref[...] = jnp.where(_iota(dG.shape, 0) == C - 1, dG + db, dG)
 
 
 # ----------------------------------------------------------------------------------------------

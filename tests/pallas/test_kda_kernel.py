@@ -167,12 +167,13 @@ def test_fused_intra_wy_kernel_with_segments():
 
 
 def test_kernels_in_k_and_v_blocks():
-  """Blocks of 16: the intra-chunk kernels work on 2 K blocks and dense_bwd on 3 V blocks, with
-  resets inside chunks, against the recurrence."""
+  """Blocks of 16: the intra-chunk kernels work on 2 K blocks and dense_bwd on 2 K × 3 V blocks,
+  with resets inside chunks, against the recurrence."""
   d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=9)
   seg = _segments(SEGMENT_ROWS, 100)
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
-                        tuning=kk.Tuning(intra_fwd_bk=16, intra_bwd_bk=16, dense_bwd_bv=16))
+                        tuning=kk.Tuning(intra_fwd_bk=16, intra_bwd_bk=16, dense_bwd_bv=16,
+                                         dense_bwd_bk=16))
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
