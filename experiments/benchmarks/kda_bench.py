@@ -10,9 +10,10 @@ q/k L2-norm in the op). Prints one JSON line per measurement:
 - memory of forward+backward at every shape: for JAX the compiled step's inputs + outputs +
   temporaries (XLA's memory analysis), for fla torch's max_memory_allocated after a reset.
 
-With --stages, each Pallas kernel is first timed alone over launch candidates (`STAGE_LAUNCHES`,
-V blocks of the scans) and the end-to-end timings use the fastest (`kernels.Tuning`); --segments adds
-the segment-id path. Correctness runs with and without segment ids.
+With --stages, each Pallas kernel is first timed alone over launch candidates and block sizes
+(`STAGE_LAUNCHES`, `INTRA_BK`, `DENSE_BLOCKS`, the scans' V blocks; --sweep picks the kernels) and
+the end-to-end timings use the fastest (`kernels.Tuning`); --tuning gives one instead; --segments
+adds the segment-id path. Correctness runs with and without segment ids.
 
 Run: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/kda_bench.py
 fla's first call autotunes for minutes: give it its own call, or put it first in --impls.
@@ -388,10 +389,8 @@ def main():
         tuned[(B, T, H, D)] = dataclasses.replace(
             wide, **{f: getattr(default, f) for f in scan_fields})
   if not a.skip_correctness:
-    B, _, H, D = shapes[0]
-    t0 = tuned.get(shapes[0]) or kk.default_tuning(B * H, D, D)
-    correctness(with_fla=False, tuning=t0)
-    correctness(with_fla=False, tuning=t0, segments=True)
+    correctness(with_fla=False, tuning=tuned.get(shapes[0]))
+    correctness(with_fla=False, tuning=tuned.get(shapes[0]), segments=True)
   for impl in impls:  # in the order given: fla's first call autotunes for minutes
     for shape in shapes:
       if impl == "fla":
