@@ -33,8 +33,8 @@ Kernels (grid: what one program does). Forward: intra_fwd (B, NT, H: one chunk, 
 blocks of `Tuning.intra_fwd_bk`, a loop), wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over
 the chunks), out_fwd (B, NT, H). Backward: scan_bwd (B, H, V/bv), dense_bwd (B, NT, H: loops over
 V and K blocks, `Tuning.dense_bwd_bv` / `dense_bwd_bk`), intra_bwd (B, NT, H, K/bk · NS: one
-16-row sub-tile and K block), gate_bwd (B, NT, H). Small register tiles and many programs were what made the intra-chunk kernels
-fast on the H200 (RESULTS.md, run 4).
+16-row sub-tile and K block), gate_bwd (B, NT, H). Small register tiles and many programs were what
+made the intra-chunk kernels fast on the H200 (RESULTS.md, run 4).
 """
 from __future__ import annotations
 
@@ -219,11 +219,16 @@ def _gate_cumsum(cfg, g_ref, gate_refs, h, cols):
   a_log, dt = _gate_refs(cfg, gate_refs, h, cols)
   Gs, carry = [], None
   for I in range(cfg.ns):
-    g = _activate_gate(cfg, _f32(g_ref[pl.ds(I * BC, BC), cols]), a_log, dt)
+    g = _activate_gate(cfg, _f32(g_ref[_sub(I), cols]), a_log, dt)
     G = lax.cumsum(g, axis=0) if carry is None else lax.cumsum(g, axis=0) + carry
     carry = _row(G, BC - 1)
     Gs.append(G)
   return Gs
+
+
+def _sub(I):
+  """Rows (or columns) of the 16-row sub-tile I of a chunk."""
+  return pl.ds(I * BC, BC)
 
 
 def _doc_masks(d):
@@ -255,22 +260,21 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
   ii, jj = _iota(tile, 0), _iota(tile, 1)
   zeros_tile = jnp.zeros(tile, jnp.float32)
   pairs = [(I, J) for I in range(ns) for J in range(I + 1)]
-  sub = lambda I: pl.ds(I * BC, BC)
 
   def k_block(ik, acc):
     cols = pl.ds(ik * bk, bk)
     Gs = _gate_cumsum(cfg, g_ref, gate_refs, h, cols)
     acc = dict(zip(pairs, acc))
     for I in range(ns):
-      G_ref[sub(I), cols] = Gs[I]
+      G_ref[_sub(I), cols] = Gs[I]
       r = _row(Gs[I], 0)
       e_i = jnp.exp(Gs[I] - r)  # ≤ 1
-      q_i = _f32(q_ref[sub(I), cols]) * cfg.scale
-      k_i = _f32(k_ref[sub(I), cols])
+      q_i = _f32(q_ref[_sub(I), cols]) * cfg.scale
+      k_i = _f32(k_ref[_sub(I), cols])
       qa, ka = q_i * e_i, k_i * e_i
       for J in range(I + 1):
         if J < I or not cfg.exact_diag:
-          kb = _f32(k_ref[sub(J), cols]) * jnp.exp(r - Gs[J])  # ≤ 1 off the diagonal
+          kb = _f32(k_ref[_sub(J), cols]) * jnp.exp(r - Gs[J])  # ≤ 1 off the diagonal
           x = _hd(cfg, ka, kb.T)
           p = _hd(cfg, qa, kb.T)
         else:
@@ -289,15 +293,15 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
 
   acc = lax.fori_loop(0, K // bk, k_block, tuple((zeros_tile, zeros_tile) for _ in pairs))
   acc = dict(zip(pairs, acc))
-  ds = [dseg_ref[sub(I)] if cfg.segmented else None for I in range(ns)]
+  ds = [dseg_ref[_sub(I)] if cfg.segmented else None for I in range(ns)]
   ls = {}
   for I in range(ns):
-    beta = _f32(beta_ref[sub(I)])[:, None]
+    beta = _f32(beta_ref[_sub(I)])[:, None]
     for J in range(ns):
       if J > I:
         for ref in (X_ref, P_ref, Z_ref):
           if ref is not None:
-            ref[sub(I), sub(J)] = zeros_tile
+            ref[_sub(I), _sub(J)] = zeros_tile
         continue
       x, p = acc[(I, J)]
       if cfg.segmented:
@@ -308,8 +312,8 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
         x = jnp.where(ii > jj, x, 0.0)
         p = jnp.where(ii >= jj, p, 0.0)
       ls[(I, J)] = beta * x
-      X_ref[sub(I), sub(J)] = x
-      P_ref[sub(I), sub(J)] = p
+      X_ref[_sub(I), _sub(J)] = x
+      P_ref[_sub(I), _sub(J)] = p
 
   # (I + L_II)^{-1} of the NS diagonal blocks by forward substitution, one row at a time, the NS
   # independent chains in one loop (latency-bound steps overlap).
@@ -342,7 +346,7 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
   zeros_tile = jnp.zeros((BC, BC), jnp.float32)
   for I in range(cfg.ns):
     for J in range(I + 1):
-      D_ref[pl.ds(I * BC, BC), pl.ds(J * BC, BC)] = invs[I] if I == J else zeros_tile
+      D_ref[_sub(I), _sub(J)] = invs[I] if I == J else zeros_tile
 
 
 def _block_row_product(cfg, m, I, xs):
@@ -360,7 +364,6 @@ def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref
   ds, ls, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
                               X_ref, P_ref, Z_ref=M_ref)
   ns, K, V = cfg.ns, k_ref.shape[-1], v_ref.shape[-1]
-  sub = lambda I: pl.ds(I * BC, BC)
   m = {}
   for I in range(ns):
     m[(I, I)] = invs[I]
@@ -370,8 +373,8 @@ def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref
         acc = acc + _hd(cfg, ls[(I, mid)], m[(mid, J)])
       m[(I, J)] = -_hd(cfg, invs[I], acc)
     for J in range(I + 1):
-      M_ref[sub(I), sub(J)] = m[(I, J)]
-  betas = [_f32(beta_ref[sub(J)])[:, None] for J in range(ns)]
+      M_ref[_sub(I), _sub(J)] = m[(I, J)]
+  betas = [_f32(beta_ref[_sub(J)])[:, None] for J in range(ns)]
   d_last = jnp.max(ds[ns - 1]) if cfg.segmented else None
   h = pl.program_id(2)
   bk = _block(K, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
@@ -384,16 +387,16 @@ def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref
     gb = _row(Gs[ns - 1], BC - 1)
     kbs = []
     for J in range(ns):
-      k_j = _f32(k_ref[sub(J), cols])
+      k_j = _f32(k_ref[_sub(J), cols])
       kg = k_j * jnp.exp(gb - Gs[J])
       kb = betas[J] * k_j * jnp.exp(Gs[J])
       if cfg.segmented:  # only the last document reaches the outgoing state; later documents
         kg = jnp.where((ds[J] == d_last)[:, None], kg, 0.0)  # never see the incoming one
         kb = jnp.where((ds[J] == 0)[:, None], kb, 0.0)
-      kg_ref[sub(J), cols] = kg.astype(kg_ref.dtype)
+      kg_ref[_sub(J), cols] = kg.astype(kg_ref.dtype)
       kbs.append(kb)
     for I in range(ns):
-      W_ref[sub(I), cols] = _block_row_product(cfg, m, I, kbs).astype(W_ref.dtype)
+      W_ref[_sub(I), cols] = _block_row_product(cfg, m, I, kbs).astype(W_ref.dtype)
     return carry
 
   lax.fori_loop(0, K // bk, k_block, 0)
@@ -401,9 +404,9 @@ def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref
 
   def v_block(iv, carry):
     cols = pl.ds(iv * bv, bv)
-    vbs = [betas[J] * _f32(v_ref[sub(J), cols]) for J in range(ns)]
+    vbs = [betas[J] * _f32(v_ref[_sub(J), cols]) for J in range(ns)]
     for I in range(ns):
-      U_ref[sub(I), cols] = _block_row_product(cfg, m, I, vbs).astype(U_ref.dtype)
+      U_ref[_sub(I), cols] = _block_row_product(cfg, m, I, vbs).astype(U_ref.dtype)
     return carry
 
   lax.fori_loop(0, V // bv, v_block, 0)
@@ -656,11 +659,10 @@ def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, dP_ref, dX_ref, dq
   T = pl.program_id(3) % ns
   tile = (BC, BC)
   ii, jj = _iota(tile, 0), _iota(tile, 1)
-  sub = lambda I: pl.ds(I * BC, BC)
-  rows = sub(T)
-  load_q = lambda I: _f32(q_ref[sub(I), :]) * cfg.scale
-  load_k = lambda I: _f32(k_ref[sub(I), :])
-  load_G = lambda I: G_ref[sub(I), :]
+  rows = _sub(T)
+  load_q = lambda I: _f32(q_ref[_sub(I), :]) * cfg.scale
+  load_k = lambda I: _f32(k_ref[_sub(I), :])
+  load_G = lambda I: G_ref[_sub(I), :]
   load_r = lambda I: G_ref[pl.ds(I * BC, 1), :]  # the reference r_I (first row of tile I)
   G_T, k_T, q_T, r_T = load_G(T), load_k(T), load_q(T), load_r(T)
   z = jnp.zeros_like(G_T)
@@ -671,17 +673,18 @@ def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, dP_ref, dX_ref, dq
   def query_pair(J, acc):
     left_q, left_k = acc
     kb = load_k(J) * jnp.exp(r_T - load_G(J))
-    return (left_q + _hd(cfg, dP_ref[rows, sub(J)], kb),
-            left_k + _hd(cfg, dX_ref[rows, sub(J)], kb))
+    return (left_q + _hd(cfg, dP_ref[rows, _sub(J)], kb),
+            left_k + _hd(cfg, dX_ref[rows, _sub(J)], kb))
 
   left_q, left_k = lax.fori_loop(0, T, query_pair, (z, z))
   e_t = jnp.exp(G_T - r_T)
   # Key side off the diagonal, I > T.
   def key_pair(I, right):
-    e_i = jnp.exp(load_G(I) - load_r(I))
-    t = (_hd(cfg, dP_ref[sub(I), rows].T, load_q(I) * e_i)
-         + _hd(cfg, dX_ref[sub(I), rows].T, load_k(I) * e_i))
-    return right + jnp.exp(load_r(I) - G_T) * t
+    r_I = load_r(I)
+    e_i = jnp.exp(load_G(I) - r_I)
+    t = (_hd(cfg, dP_ref[_sub(I), rows].T, load_q(I) * e_i)
+         + _hd(cfg, dX_ref[_sub(I), rows].T, load_k(I) * e_i))
+    return right + jnp.exp(r_I - G_T) * t
 
   right = lax.fori_loop(T + 1, ns, key_pair, z)
   if cfg.exact_diag:  # exact pairwise decays on the diagonal tile (any gate)
@@ -757,6 +760,12 @@ def _state_spec(K, V):
   return pl.BlockSpec((None, None, None, K, V), lambda b, c, h: (b, c, h, 0, 0))
 
 
+def _gate_specs(H, K):
+  """Blocks of the fused gate's parameters on a (B, NT, H) grid: A_log [H] whole, dt_bias [H, K]
+  by head."""
+  return [pl.BlockSpec((H,), lambda b, c, h: (0,)), pl.BlockSpec((None, K), lambda b, c, h: (h, 0))]
+
+
 def _check_seg(cfg, dseg):
   if cfg.segmented != (dseg is not None):
     raise ValueError(f"dseg must be given exactly when cfg.segmented; segmented={cfg.segmented}, "
@@ -773,8 +782,7 @@ def intra_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
   in_specs = [_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, K), _vec_spec(C)]
   args = [q, k, g, beta]
   if cfg.gate != "none":
-    in_specs += [pl.BlockSpec((H,), lambda b, c, h: (0,)),
-                 pl.BlockSpec((None, K), lambda b, c, h: (h, 0))]
+    in_specs += _gate_specs(H, K)
     args += [a_log.astype(f32), dt_bias.astype(f32)]
   if cfg.segmented:
     in_specs.append(_seg_spec(C))
@@ -803,8 +811,7 @@ def intra_wy_fwd(cfg, q, k, v, g, beta, a_log=None, dt_bias=None, dseg=None):
   in_specs = [_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, V), _tok_spec(C, K), _vec_spec(C)]
   args = [q, k, v, g, beta]
   if cfg.gate != "none":
-    in_specs += [pl.BlockSpec((H,), lambda b, c, h: (0,)),
-                 pl.BlockSpec((None, K), lambda b, c, h: (h, 0))]
+    in_specs += _gate_specs(H, K)
     args += [a_log.astype(f32), dt_bias.astype(f32)]
   if cfg.segmented:
     in_specs.append(_seg_spec(C))
@@ -980,8 +987,7 @@ def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
   out_specs = [_tok_spec(C, K)]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, K), f32)]
   if cfg.gate != "none":
-    in_specs += [pl.BlockSpec((H,), lambda b, c, h: (0,)),
-                 pl.BlockSpec((None, K), lambda b, c, h: (h, 0))]
+    in_specs += _gate_specs(H, K)
     args += [a_log.astype(f32), dt_bias.astype(f32)]
     out_specs.append(_vec_spec(C))
     out_shape.append(jax.ShapeDtypeStruct((B, T, H), f32))
