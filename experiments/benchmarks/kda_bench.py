@@ -11,9 +11,9 @@ q/k L2-norm in the op). Prints one JSON line per measurement:
   temporaries (XLA's memory analysis), for fla torch's max_memory_allocated after a reset.
 
 With --stages, each Pallas kernel is first timed alone over launch candidates and block sizes
-(`STAGE_LAUNCHES`, `INTRA_BK`, `DENSE_BLOCKS`, the scans' V blocks; --sweep picks the kernels) and
-the end-to-end timings use the fastest (`kernels.Tuning`); --tuning gives one instead; --segments
-adds the segment-id path. Correctness runs with and without segment ids.
+(`STAGE_LAUNCHES`, `INTRA_BK`, `GATE_BK`, `DENSE_BLOCKS`, the scans' V blocks; --sweep picks the
+kernels) and the end-to-end timings use the fastest (`kernels.Tuning`); --tuning gives one instead;
+--segments adds the segment-id path. Correctness runs with and without segment ids.
 
 Run: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/kda_bench.py
 fla's first call autotunes for minutes: give it its own call, or put it first in --impls.
@@ -231,7 +231,8 @@ def bench_fla(B, T, H, D, modes):
 
 
 STAGE_LAUNCHES = {  # candidates swept by --stages: (num_warps, num_stages)
-    "intra_fwd": [(1, 1), (2, 1), (4, 1)],
+    "gate_fwd": [(4, 1), (8, 1)],
+    "intra_fwd": [(1, 1), (2, 1)],  # (4, 1) was the slowest in every sweep (runs 4, 5)
     "wy_fwd": [(4, 1), (8, 1)],
     "scan_fwd": [(4, 1), (4, 3), (8, 3)],
     "out_fwd": [(4, 1), (8, 1)],
@@ -240,12 +241,13 @@ STAGE_LAUNCHES = {  # candidates swept by --stages: (num_warps, num_stages)
     "intra_bwd": [(1, 1), (2, 1), (4, 1), (8, 1)],
 }
 INTRA_BK = [16, 32, 64]  # K blocks of the intra-chunk kernels
+GATE_BK = [32, 64, 128]  # K blocks of gate_fwd
 DENSE_BLOCKS = [(bv, bk) for bv in (32, 64) for bk in (32, 64, 128)]  # dense_bwd's (V, K) blocks
 SCAN_BV = [32, 64]
 SCAN_BV_NARROW = [16, 32, 64]  # few rows × heads: smaller V blocks give more programs
 
 
-STAGES = ("intra_fwd", "wy_fwd", "intra_wy_fwd", "scan_fwd", "out_fwd", "scan_bwd", "dense_bwd",
+STAGES = ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd", "scan_bwd", "dense_bwd",
           "intra_bwd")
 
 
@@ -303,23 +305,17 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
       {f"{name}_launch": l, bvk: bv} for bv in (SCAN_BV_NARROW if scans_only else SCAN_BV)
       for l in (STAGE_LAUNCHES[name][:2] if scans_only else STAGE_LAUNCHES[name])]
   keep = lambda name: launches(name) if not scans_only else [{}]
-  G, X, P, Dm = stage("intra_fwd", kk.intra_fwd, (q, k, graw, beta, a_log, dt),
-                      blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
-  M, W, U, kg = stage("wy_fwd", kk.wy_fwd, (k, v, beta, G, X, Dm), keep("wy_fwd"))
-  if not scans_only and "intra_wy_fwd" in sweep:  # fused: kept if faster than the pair
-    split_ms = min(row["intra_fwd_ms"].values()) + min(row["wy_fwd_ms"].values())
-    split = {n: best[n] for n in ("intra_fwd_launch", "intra_fwd_bk", "fuse_wy")}
-    try:
-      stage("intra_wy_fwd", kk.intra_wy_fwd, (q, k, v, graw, beta, a_log, dt),
-            blocked("intra_fwd", "intra_fwd_bk", fuse_wy=True))
-      if min(row["intra_wy_fwd_ms"].values()) >= split_ms:
-        best.update(split)
-    except RuntimeError:  # no variant compiled: keep the pair
-      best.update(split)
+  gate_variants = [{"gate_fwd_launch": l, "gate_fwd_bk": bk}
+                   for l in STAGE_LAUNCHES["gate_fwd"] for bk in GATE_BK if bk <= D]
+  G, qg, kb, kg = stage("gate_fwd", kk.gate_fwd, (q, k, graw, beta, a_log, dt),
+                        gate_variants if not scans_only else [{}])
+  X, P, Dm = stage("intra_fwd", kk.intra_fwd, (q, k, G, beta),
+                   blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
+  M, W, U = stage("wy_fwd", kk.wy_fwd, (kb, v, beta, X, Dm), keep("wy_fwd"))
   vn, hs, ht = stage("scan_fwd", kk.scan_fwd, (kg, G, W, U, h0, seq, first, last),
                      scan_variants("scan_fwd", "bv_fwd"))
-  _, qg = stage("out_fwd", functools.partial(kk.out_fwd, out_dtype=v.dtype), (q, G, hs, P, vn),
-                keep("out_fwd"))
+  stage("out_fwd", functools.partial(kk.out_fwd, out_dtype=v.dtype), (qg, hs, P, vn),
+        keep("out_fwd"))
   dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd,
                       (qg, kg, G, W, P, do, jnp.zeros_like(h0), seq, first, last),
                       scan_variants("scan_bwd", "bv_bwd"))
@@ -332,9 +328,9 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
         blocked("intra_bwd", "intra_bwd_bk") if not scans_only else [{}])
   tuning = kk.Tuning(**best)
   row["best"] = {n: list(v) if isinstance(v, tuple) else v for n, v in best.items()}
-  first = ("intra_wy_fwd",) if best["fuse_wy"] else ("intra_fwd", "wy_fwd")
   row["sum_best_fwd_ms"] = round(sum(min(row[n + "_ms"].values()) for n in
-                                     first + ("scan_fwd", "out_fwd")), 3)
+                                     ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd")),
+                                 3)
   row["sum_best_bwd_ms"] = round(sum(min(row[n + "_ms"].values()) for n in
                                      ("scan_bwd", "dense_bwd", "intra_bwd")), 3)
   emit(**row)

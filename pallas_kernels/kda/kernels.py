@@ -29,12 +29,14 @@ any gate. On the diagonal 16×16 tiles the key factor reaches e^{15·|g|max}; th
 bounded gates (|g| ≤ 5 ⇒ ≤ e^75). With `exact_diag=True` the diagonal tiles instead use exact
 pairwise differences e^{min(G_i - G_j, 0)} (16 rank-1 steps on the vector units), valid for any g ≤ 0.
 
-Kernels (grid: what one program does). Forward: intra_fwd (B, NT, H: one chunk, its K columns in
-blocks of `Tuning.intra_fwd_bk`, a loop), wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over
-the chunks), out_fwd (B, NT, H). Backward: scan_bwd (B, H, V/bv), dense_bwd (B, NT, H: loops over
-V and K blocks, `Tuning.dense_bwd_bv` / `dense_bwd_bk`), intra_bwd (B, NT, H, K/bk · NS: one
-16-row sub-tile and K block), gate_bwd (B, NT, H). Small register tiles and many programs were what
-made the intra-chunk kernels fast on the H200 (RESULTS.md, run 4).
+Kernels (grid: what one program does). Forward: gate_fwd (B, NT, H: the gate, G and the gated q /
+k), intra_fwd (B, NT, H: one chunk, its K columns in blocks of `Tuning.intra_fwd_bk`, a loop),
+wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over the chunks), out_fwd (B, NT, H).
+Backward: scan_bwd (B, H, V/bv), dense_bwd (B, NT, H: loops over V and K blocks,
+`Tuning.dense_bwd_bv` / `dense_bwd_bk`), intra_bwd (B, NT, H, K/bk · NS: one 16-row sub-tile and K
+block), gate_bwd (B, NT, H). Small register tiles and many programs were what made the intra-chunk
+kernels fast on the H200 (RESULTS.md, run 4); so was keeping the gate out of the pair kernel
+(intra_fwd 1.07 → 0.66 ms, run 5).
 """
 from __future__ import annotations
 
@@ -55,10 +57,9 @@ class Tuning:
   """Launch parameters and block sizes of the kernels (the interpreter ignores the launches).
 
   Each `*_launch` is (num_warps, num_stages); `bv_*` is the V block of the sequential scans (more
-  blocks = more programs in parallel, each re-reading the chunk's K-side operands). `fuse_wy` runs
-  the first two forward kernels as one (`intra_wy_fwd`, launched with `intra_fwd_launch`).
-  `intra_fwd_bk` / `intra_bwd_bk` are the K (and V) blocks of the loops of the intra-chunk forward
-  kernels (`intra_fwd`, `intra_wy_fwd`) and of `intra_bwd`; they apply in the interpreter too.
+  blocks = more programs in parallel, each re-reading the chunk's K-side operands).
+  `gate_fwd_bk` / `intra_fwd_bk` / `intra_bwd_bk` are the K blocks of the loops of `gate_fwd`,
+  `intra_fwd` and `intra_bwd`; they apply in the interpreter too.
   `dense_bwd_bv` / `dense_bwd_bk`: the V and K blocks of `dense_bwd`'s loops.
   """
   intra_fwd_launch: tuple = (4, 1)
@@ -70,30 +71,32 @@ class Tuning:
   intra_bwd_launch: tuple = (4, 1)
   bv_fwd: int = 64
   bv_bwd: int = 64
-  fuse_wy: bool = False
   intra_fwd_bk: int = 64
   intra_bwd_bk: int = 64
   dense_bwd_bv: int = 128
   dense_bwd_bk: int = 128
   gate_bwd_launch: tuple = (4, 1)
+  gate_fwd_launch: tuple = (4, 1)
+  gate_fwd_bk: int = 64
 
 
 def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
-  """Launch parameters and blocks measured best on an H200 (RESULTS.md, run 4) for B·H =
+  """Launch parameters and blocks measured best on an H200 (RESULTS.md, runs 4 and 5) for B·H =
   rows_heads and head dims K, V.
 
   With few rows × heads the scans run on few programs: smaller V blocks (more programs) and a
-  3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do. The intra-chunk
-  forward runs best on one warp over 16-column K blocks, dense_bwd on 8 warps over 64 × 64 (V, K)
-  blocks, intra_bwd on 2 warps per 64-column K block. (A head dim that the block does not divide,
-  possible in the interpreter, is one block.)
+  3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do. gate_fwd runs
+  best on 8 warps over the whole K width, intra_fwd on one warp over 16-column K blocks, dense_bwd
+  on 8 warps over 64 × 64 (V, K) blocks, intra_bwd on 2 warps per 64-column K block. (A head dim
+  that the block does not divide, possible in the interpreter, is one block.)
   """
   if rows_heads >= 64:
     bv_fwd, bv_bwd, scan_bwd = 64, 64, (8, 3)
   else:
     bv_fwd, bv_bwd, scan_bwd = 32, 16, (4, 3)
   fit = lambda block, width: block if width % block == 0 else width
-  return Tuning(intra_fwd_launch=(1, 1), intra_fwd_bk=fit(16, K), scan_fwd_launch=(4, 3),
+  return Tuning(gate_fwd_launch=(8, 1), gate_fwd_bk=fit(128, K), intra_fwd_launch=(1, 1),
+                intra_fwd_bk=fit(16, K), scan_fwd_launch=(4, 3),
                 scan_bwd_launch=scan_bwd, dense_bwd_launch=(8, 1), dense_bwd_bv=fit(64, V),
                 dense_bwd_bk=fit(64, K), intra_bwd_launch=(2, 1), intra_bwd_bk=fit(64, K),
                 bv_fwd=min(bv_fwd, V), bv_bwd=min(bv_bwd, V))
@@ -212,20 +215,6 @@ def _block(width: int, block: int, what: str) -> int:
   return b
 
 
-def _gate_cumsum(cfg, g_ref, gate_refs, h, cols):
-  """Log gate and in-chunk inclusive cumsum G of the K columns `cols`: one [BC, bk] fp32 tile per
-  sub-tile. Every quantity of the intra-chunk kernels is a sum over K of per-column terms, and G of
-  a column depends on that column only, so the kernels work one K block at a time."""
-  a_log, dt = _gate_refs(cfg, gate_refs, h, cols)
-  Gs, carry = [], None
-  for I in range(cfg.ns):
-    g = _activate_gate(cfg, _f32(g_ref[_sub(I), cols]), a_log, dt)
-    G = lax.cumsum(g, axis=0) if carry is None else lax.cumsum(g, axis=0) + carry
-    carry = _row(G, BC - 1)
-    Gs.append(G)
-  return Gs
-
-
 def _sub(I):
   """Rows (or columns) of the 16-row sub-tile I of a chunk."""
   return pl.ds(I * BC, BC)
@@ -239,21 +228,56 @@ def _doc_masks(d):
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward 1: gate, in-chunk cumsum, X / P tiles and the inverses of the diagonal blocks of I + L.
+# Forward 1: the gate, its in-chunk cumsum G and the gated operands of the later kernels.
 # ----------------------------------------------------------------------------------------------
-def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
-                 X_ref, P_ref, Z_ref=None):
-  """Gate, cumsum G (stored), X and P tiles (stored; zero tiles above the diagonal, also into
-  Z_ref if given) and the inverses of the diagonal blocks of I + L.
+def _gate_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
+  """G (fp32) and qg = s q e^G (the output's and the backward scan's queries), kb = β k e^G (W's
+  keys), kg = k e^{b-G} (the state update's keys), K block by K block (`tuning.gate_fwd_bk`; every
+  column is independent). Computed once here, they spare intra_fwd the gate and wy_fwd / out_fwd
+  reading G and q / k back (fla's split: a gate/cumsum kernel before the pair kernel)."""
+  gate_refs, dseg_ref, (G_ref, qg_ref, kb_ref, kg_ref) = _split_refs(cfg, refs)
+  h = pl.program_id(2)
+  C, K = cfg.chunk, q_ref.shape[-1]
+  bk = _block(K, cfg.tuning.gate_fwd_bk, "tuning.gate_fwd_bk")
+  beta = _f32(beta_ref[...])[:, None]
+  if cfg.segmented:
+    first_doc, last_doc, _ = _doc_masks(dseg_ref[...])
+
+  def k_block(ik, carry):
+    cols = pl.ds(ik * bk, bk)
+    a_log, dt = _gate_refs(cfg, gate_refs, h, cols)
+    G = lax.cumsum(_activate_gate(cfg, _f32(g_ref[:, cols]), a_log, dt), axis=0)
+    G_ref[:, cols] = G
+    eg = jnp.exp(G)
+    k = _f32(k_ref[:, cols])
+    qg = _f32(q_ref[:, cols]) * (cfg.scale * eg)
+    kb = beta * k * eg
+    kg = k * jnp.exp(_row(G, C - 1) - G)
+    if cfg.segmented:  # later documents never see the incoming state; only the last document
+      qg = jnp.where(first_doc, qg, 0.0)  # reaches the outgoing one
+      kb = jnp.where(first_doc, kb, 0.0)
+      kg = jnp.where(last_doc, kg, 0.0)
+    qg_ref[:, cols] = qg.astype(qg_ref.dtype)
+    kb_ref[:, cols] = kb.astype(kb_ref.dtype)
+    kg_ref[:, cols] = kg.astype(kg_ref.dtype)
+    return carry
+
+  lax.fori_loop(0, K // bk, k_block, 0)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward 2: X / P tiles and the inverses of the diagonal blocks of I + L.
+# ----------------------------------------------------------------------------------------------
+def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, beta_ref, *refs):
+  """X and P tiles (zero above the diagonal) and D = the inverses of the diagonal blocks of I + L
+  (zero elsewhere).
 
   The pair tiles are sums over K: they accumulate over K blocks of `tuning.intra_fwd_bk` columns
   (a loop), so only [BC, bk] operands are live at a time (fla's layout; on the H200, 3.65 → 1.07 ms
-  at (8, 4096, 16, 128) against the whole K width, RESULTS.md run 4).
-
-  Returns (ds, ls, invs): document numbers per sub-tile [BC] (None unless segmented); L = diag(β) X
-  tiles {(I, J): [BC, BC]} for J <= I; (I + L_II)^{-1} per I.
+  at (8, 4096, 16, 128) against the whole K width, RESULTS.md run 4; 0.66 ms once the gate moved
+  to gate_fwd, run 5).
   """
-  h = pl.program_id(2)
+  dseg_ref, (X_ref, P_ref, D_ref) = (refs[0], refs[1:]) if cfg.segmented else (None, refs)
   ns, K = cfg.ns, q_ref.shape[-1]
   bk = _block(K, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
   tile = (BC, BC)
@@ -263,10 +287,9 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
 
   def k_block(ik, acc):
     cols = pl.ds(ik * bk, bk)
-    Gs = _gate_cumsum(cfg, g_ref, gate_refs, h, cols)
+    Gs = [G_ref[_sub(I), cols] for I in range(ns)]
     acc = dict(zip(pairs, acc))
     for I in range(ns):
-      G_ref[_sub(I), cols] = Gs[I]
       r = _row(Gs[I], 0)
       e_i = jnp.exp(Gs[I] - r)  # ≤ 1
       q_i = _f32(q_ref[_sub(I), cols]) * cfg.scale
@@ -274,9 +297,8 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
       qa, ka = q_i * e_i, k_i * e_i
       for J in range(I + 1):
         if J < I or not cfg.exact_diag:
-          kb = _f32(k_ref[_sub(J), cols]) * jnp.exp(r - Gs[J])  # ≤ 1 off the diagonal
-          x = _hd(cfg, ka, kb.T)
-          p = _hd(cfg, qa, kb.T)
+          kj = _f32(k_ref[_sub(J), cols]) * jnp.exp(r - Gs[J])  # ≤ 1 off the diagonal
+          x, p = _hd(cfg, ka, kj.T), _hd(cfg, qa, kj.T)
         else:
           def pair_step(j, xp, G=Gs[I], kt=k_i, qt=q_i):
             x, p = xp
@@ -299,9 +321,8 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
     beta = _f32(beta_ref[_sub(I)])[:, None]
     for J in range(ns):
       if J > I:
-        for ref in (X_ref, P_ref, Z_ref):
-          if ref is not None:
-            ref[_sub(I), _sub(J)] = zeros_tile
+        for ref in (X_ref, P_ref, D_ref):
+          ref[_sub(I), _sub(J)] = zeros_tile.astype(ref.dtype)
         continue
       x, p = acc[(I, J)]
       if cfg.segmented:
@@ -313,7 +334,7 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
         p = jnp.where(ii >= jj, p, 0.0)
       ls[(I, J)] = beta * x
       X_ref[_sub(I), _sub(J)] = x
-      P_ref[_sub(I), _sub(J)] = p
+      P_ref[_sub(I), _sub(J)] = p.astype(P_ref.dtype)
 
   # (I + L_II)^{-1} of the NS diagonal blocks by forward substitution, one row at a time, the NS
   # independent chains in one loop (latency-bound steps overlap).
@@ -327,7 +348,9 @@ def _intra_tiles(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, gate_refs, ds
 
   eye = jnp.where(ii == jj, 1.0, 0.0)
   invs = lax.fori_loop(1, BC, subst_step, (eye,) * ns)
-  return ds, ls, invs
+  for I in range(ns):
+    for J in range(I + 1):
+      D_ref[_sub(I), _sub(J)] = invs[I] if I == J else zeros_tile
 
 
 def _split_refs(cfg, refs):
@@ -339,87 +362,10 @@ def _split_refs(cfg, refs):
   return gate_refs, dseg_ref, refs
 
 
-def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
-  gate_refs, dseg_ref, (G_ref, X_ref, P_ref, D_ref) = _split_refs(cfg, refs)
-  _, _, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
-                            X_ref, P_ref, Z_ref=D_ref)
-  zeros_tile = jnp.zeros((BC, BC), jnp.float32)
-  for I in range(cfg.ns):
-    for J in range(I + 1):
-      D_ref[_sub(I), _sub(J)] = invs[I] if I == J else zeros_tile
-
-
-def _block_row_product(cfg, m, I, xs):
-  """Row I of a block-lower-triangular product: Σ_{J <= I} m[(I, J)] @ xs[J]."""
-  out = _mm(cfg, m[(I, 0)], xs[0])
-  for J in range(1, I + 1):
-    out = out + _mm(cfg, m[(I, J)], xs[J])
-  return out
-
-
-def _intra_wy_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, v_ref, g_ref, beta_ref, *refs):
-  """Forward 1 and 2 in one kernel: the block inverses are merged into M tile by tile in
-  registers (M_IJ = -D_I Σ_{J<=m<I} L_Im M_mJ), so X, D and G make no HBM round trip."""
-  gate_refs, dseg_ref, (G_ref, X_ref, P_ref, M_ref, W_ref, U_ref, kg_ref) = _split_refs(cfg, refs)
-  ds, ls, invs = _intra_tiles(cfg, q_ref, k_ref, g_ref, beta_ref, gate_refs, dseg_ref, G_ref,
-                              X_ref, P_ref, Z_ref=M_ref)
-  ns, K, V = cfg.ns, k_ref.shape[-1], v_ref.shape[-1]
-  m = {}
-  for I in range(ns):
-    m[(I, I)] = invs[I]
-    for J in reversed(range(I)):
-      acc = _hd(cfg, ls[(I, J)], m[(J, J)])
-      for mid in range(J + 1, I):
-        acc = acc + _hd(cfg, ls[(I, mid)], m[(mid, J)])
-      m[(I, J)] = -_hd(cfg, invs[I], acc)
-    for J in range(I + 1):
-      M_ref[_sub(I), _sub(J)] = m[(I, J)]
-  betas = [_f32(beta_ref[_sub(J)])[:, None] for J in range(ns)]
-  d_last = jnp.max(ds[ns - 1]) if cfg.segmented else None
-  h = pl.program_id(2)
-  bk = _block(K, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
-
-  # W and kg, K block by K block. G is recomputed rather than read back from G_ref: other threads
-  # of this program wrote it, and nothing orders those stores before these loads.
-  def k_block(ik, carry):
-    cols = pl.ds(ik * bk, bk)
-    Gs = _gate_cumsum(cfg, g_ref, gate_refs, h, cols)
-    gb = _row(Gs[ns - 1], BC - 1)
-    kbs = []
-    for J in range(ns):
-      k_j = _f32(k_ref[_sub(J), cols])
-      kg = k_j * jnp.exp(gb - Gs[J])
-      kb = betas[J] * k_j * jnp.exp(Gs[J])
-      if cfg.segmented:  # only the last document reaches the outgoing state; later documents
-        kg = jnp.where((ds[J] == d_last)[:, None], kg, 0.0)  # never see the incoming one
-        kb = jnp.where((ds[J] == 0)[:, None], kb, 0.0)
-      kg_ref[_sub(J), cols] = kg.astype(kg_ref.dtype)
-      kbs.append(kb)
-    for I in range(ns):
-      W_ref[_sub(I), cols] = _block_row_product(cfg, m, I, kbs).astype(W_ref.dtype)
-    return carry
-
-  lax.fori_loop(0, K // bk, k_block, 0)
-  bv = _block(V, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
-
-  def v_block(iv, carry):
-    cols = pl.ds(iv * bv, bv)
-    vbs = [betas[J] * _f32(v_ref[_sub(J), cols]) for J in range(ns)]
-    for I in range(ns):
-      U_ref[_sub(I), cols] = _block_row_product(cfg, m, I, vbs).astype(U_ref.dtype)
-    return carry
-
-  lax.fori_loop(0, V // bv, v_block, 0)
-
-
 # ----------------------------------------------------------------------------------------------
-# Forward 2: merge the block inverses into M = (I + L)^{-1}; W = M (β k e^G), U = M (β v) and the
-# state-update keys kg = k e^{b - G}.
+# Forward 3: merge the block inverses into M = (I + L)^{-1}; W = M kb, U = M (β v).
 # ----------------------------------------------------------------------------------------------
-def _wy_fwd_kernel(cfg: KernelConfig, k_ref, v_ref, beta_ref, G_ref, X_ref, D_ref, *refs):
-  if cfg.segmented:
-    dseg_ref, refs = refs[0], refs[1:]
-  M_ref, W_ref, U_ref, kg_ref = refs
+def _wy_fwd_kernel(cfg: KernelConfig, kb_ref, v_ref, beta_ref, X_ref, D_ref, M_ref, W_ref, U_ref):
   C = cfg.chunk
   ii, jj = _iota((C, C), 0), _iota((C, C), 1)
   beta = _f32(beta_ref[...])[:, None]
@@ -437,23 +383,12 @@ def _wy_fwd_kernel(cfg: KernelConfig, k_ref, v_ref, beta_ref, G_ref, X_ref, D_re
     if step + 1 < steps:
       power = _hd(cfg, power, power)
   M_ref[...] = m
-  G = G_ref[...]
-  gb = G_ref[pl.ds(C - 1, 1), :]
-  k = _f32(k_ref[...])
-  kb = beta * k * jnp.exp(G)
-  kg = k * jnp.exp(gb - G)
-  if cfg.segmented:
-    first_doc, last_doc, _ = _doc_masks(dseg_ref[...])
-    kb = jnp.where(first_doc, kb, 0.0)  # later documents never see the incoming state
-    kg = jnp.where(last_doc, kg, 0.0)   # only the last document reaches the outgoing state
-  vb = beta * _f32(v_ref[...])
-  W_ref[...] = _mm(cfg, m, kb).astype(W_ref.dtype)
-  U_ref[...] = _mm(cfg, m, vb).astype(U_ref.dtype)
-  kg_ref[...] = kg.astype(kg_ref.dtype)
+  W_ref[...] = _mm(cfg, m, kb_ref[...]).astype(W_ref.dtype)
+  U_ref[...] = _mm(cfg, m, beta * _f32(v_ref[...])).astype(U_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward 3: sequential scan over chunks for the states and pseudo-values (one program per batch
+# Forward 4: sequential scan over chunks for the states and pseudo-values (one program per batch
 # row, head and V block).
 # ----------------------------------------------------------------------------------------------
 def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, kg_ref, G_ref, W_ref, U_ref, h0_ref, seq_ref,
@@ -489,18 +424,10 @@ def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, kg_ref, G_ref, W_ref, U_ref, h0_
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward 4: outputs o = (s q e^G) S + P Vn, parallel over chunks; also saves qg = s q e^G (the
-# backward scan's query-side operand).
+# Forward 5: outputs o = qg S + P Vn, parallel over chunks (qg = s q e^G from gate_fwd).
 # ----------------------------------------------------------------------------------------------
-def _out_fwd_kernel(cfg: KernelConfig, q_ref, G_ref, hs_ref, P_ref, vn_ref, *refs):
-  if cfg.segmented:
-    dseg_ref, refs = refs[0], refs[1:]
-  o_ref, qg_ref = refs
-  qg = _f32(q_ref[...]) * (cfg.scale * jnp.exp(G_ref[...]))
-  if cfg.segmented:
-    qg = jnp.where(_doc_masks(dseg_ref[...])[0], qg, 0.0)
-  qg_ref[...] = qg.astype(qg_ref.dtype)
-  o = _mm(cfg, qg, hs_ref[...]) + _mm(cfg, P_ref[...], vn_ref[...])
+def _out_fwd_kernel(cfg: KernelConfig, qg_ref, hs_ref, P_ref, vn_ref, o_ref):
+  o = _mm(cfg, qg_ref[...], hs_ref[...]) + _mm(cfg, P_ref[...], vn_ref[...])
   o_ref[...] = o.astype(o_ref.dtype)
 
 
@@ -772,8 +699,8 @@ def _check_seg(cfg, dseg):
                      f"dseg={'given' if dseg is not None else None}")
 
 
-def intra_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
-  """Returns G [B,T,H,K] fp32 and X, P, D [B,NT,H,C,C] fp32."""
+def gate_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
+  """Returns G [B,T,H,K] fp32 and qg, kb, kg [B,T,H,K] in cfg.state_dtype."""
   _check_seg(cfg, dseg)
   B, T, H, K = q.shape
   C = cfg.chunk
@@ -787,75 +714,57 @@ def intra_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
   if cfg.segmented:
     in_specs.append(_seg_spec(C))
     args.append(dseg)
-  mat = jax.ShapeDtypeStruct((B, nt, H, C, C), f32)
+  tok = lambda dtype: jax.ShapeDtypeStruct((B, T, H, K), dtype)
+  return pl.pallas_call(
+      functools.partial(_gate_fwd_kernel, cfg),
+      grid=(B, nt, H),
+      in_specs=in_specs,
+      out_specs=[_tok_spec(C, K)] * 4,
+      out_shape=[tok(f32)] + [tok(cfg.state_dtype)] * 3,
+      interpret=cfg.interpret, name="kda_gate_fwd", **_params(cfg, cfg.tuning.gate_fwd_launch),
+  )(*args)
+
+
+def intra_fwd(cfg, q, k, G, beta, dseg=None):
+  """Returns X, D [B,NT,H,C,C] fp32 and P [B,NT,H,C,C] in cfg.mm_dtype (its users read it as a dot
+  operand of that dtype)."""
+  _check_seg(cfg, dseg)
+  B, T, H, K = q.shape
+  C = cfg.chunk
+  nt = T // C
+  in_specs = [_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, K), _vec_spec(C)]
+  args = [q, k, G, beta]
+  if cfg.segmented:
+    in_specs.append(_seg_spec(C))
+    args.append(dseg)
+  mat = lambda dtype: jax.ShapeDtypeStruct((B, nt, H, C, C), dtype)
   return pl.pallas_call(
       functools.partial(_intra_fwd_kernel, cfg),
       grid=(B, nt, H),
       in_specs=in_specs,
-      out_specs=[_tok_spec(C, K), _mat_spec(C), _mat_spec(C), _mat_spec(C)],
-      out_shape=[jax.ShapeDtypeStruct((B, T, H, K), f32), mat, mat, mat],
+      out_specs=[_mat_spec(C)] * 3,
+      out_shape=[mat(jnp.float32), mat(cfg.mm_dtype), mat(jnp.float32)],
       interpret=cfg.interpret, name="kda_intra_fwd",
       **_params(cfg, cfg.tuning.intra_fwd_launch),
   )(*args)
 
 
-def intra_wy_fwd(cfg, q, k, v, g, beta, a_log=None, dt_bias=None, dseg=None):
-  """`intra_fwd` and `wy_fwd` in one kernel. Returns G [B,T,H,K] fp32; X, P, M [B,NT,H,C,C] fp32;
-  W [B,T,H,K], U [B,T,H,V], kg [B,T,H,K] (cfg.state_dtype)."""
-  _check_seg(cfg, dseg)
-  B, T, H, K = q.shape
+def wy_fwd(cfg, kb, v, beta, X, D):
+  """Returns M [B,NT,H,C,C] fp32, W [B,T,H,K] and U [B,T,H,V] (cfg.state_dtype)."""
+  B, T, H, K = kb.shape
   V = v.shape[-1]
   C = cfg.chunk
   nt = T // C
-  f32 = jnp.float32
-  in_specs = [_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, V), _tok_spec(C, K), _vec_spec(C)]
-  args = [q, k, v, g, beta]
-  if cfg.gate != "none":
-    in_specs += _gate_specs(H, K)
-    args += [a_log.astype(f32), dt_bias.astype(f32)]
-  if cfg.segmented:
-    in_specs.append(_seg_spec(C))
-    args.append(dseg)
-  mat = jax.ShapeDtypeStruct((B, nt, H, C, C), f32)
-  return pl.pallas_call(
-      functools.partial(_intra_wy_fwd_kernel, cfg),
-      grid=(B, nt, H),
-      in_specs=in_specs,
-      out_specs=[_tok_spec(C, K), _mat_spec(C), _mat_spec(C), _mat_spec(C), _tok_spec(C, K),
-                 _tok_spec(C, V), _tok_spec(C, K)],
-      out_shape=[jax.ShapeDtypeStruct((B, T, H, K), f32), mat, mat, mat,
-                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype),
-                 jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
-                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype)],
-      interpret=cfg.interpret, name="kda_intra_wy_fwd",
-      **_params(cfg, cfg.tuning.intra_fwd_launch),
-  )(*args)
-
-
-def wy_fwd(cfg, k, v, beta, G, X, D, dseg=None):
-  """Returns M [B,NT,H,C,C] fp32, W [B,T,H,K], U [B,T,H,V] and kg [B,T,H,K] (cfg.state_dtype)."""
-  _check_seg(cfg, dseg)
-  B, T, H, K = k.shape
-  V = v.shape[-1]
-  C = cfg.chunk
-  nt = T // C
-  in_specs = [_tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _tok_spec(C, K), _mat_spec(C),
-              _mat_spec(C)]
-  args = [k, v, beta, G, X, D]
-  if cfg.segmented:
-    in_specs.append(_seg_spec(C))
-    args.append(dseg)
   return pl.pallas_call(
       functools.partial(_wy_fwd_kernel, cfg),
       grid=(B, nt, H),
-      in_specs=in_specs,
-      out_specs=[_mat_spec(C), _tok_spec(C, K), _tok_spec(C, V), _tok_spec(C, K)],
+      in_specs=[_tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _mat_spec(C), _mat_spec(C)],
+      out_specs=[_mat_spec(C), _tok_spec(C, K), _tok_spec(C, V)],
       out_shape=[jax.ShapeDtypeStruct((B, nt, H, C, C), jnp.float32),
                  jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype),
-                 jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
-                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype)],
+                 jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype)],
       interpret=cfg.interpret, name="kda_wy_fwd", **_params(cfg, cfg.tuning.wy_fwd_launch),
-  )(*args)
+  )(kb, v, beta, X, D)
 
 
 def _bv(V, bv):
@@ -886,28 +795,20 @@ def scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=None):
   )(*args)
 
 
-def out_fwd(cfg, q, G, hs, P, vn, out_dtype, dseg=None):
-  """Returns o [B,T,H,V] in out_dtype and qg = s q e^G [B,T,H,K] (cfg.state_dtype, zero after a
-  reset in the chunk)."""
-  _check_seg(cfg, dseg)
-  B, T, H, K = q.shape
+def out_fwd(cfg, qg, hs, P, vn, out_dtype):
+  """Returns o [B,T,H,V] in out_dtype."""
+  B, T, H, K = qg.shape
   V = vn.shape[-1]
   C = cfg.chunk
   nt = T // C
-  in_specs = [_tok_spec(C, K), _tok_spec(C, K), _state_spec(K, V), _mat_spec(C), _tok_spec(C, V)]
-  args = [q, G, hs, P, vn]
-  if cfg.segmented:
-    in_specs.append(_seg_spec(C))
-    args.append(dseg)
   return pl.pallas_call(
       functools.partial(_out_fwd_kernel, cfg),
       grid=(B, nt, H),
-      in_specs=in_specs,
-      out_specs=[_tok_spec(C, V), _tok_spec(C, K)],
-      out_shape=[jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
-                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype)],
+      in_specs=[_tok_spec(C, K), _state_spec(K, V), _mat_spec(C), _tok_spec(C, V)],
+      out_specs=_tok_spec(C, V),
+      out_shape=jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
       interpret=cfg.interpret, name="kda_out_fwd", **_params(cfg, cfg.tuning.out_fwd_launch),
-  )(*args)
+  )(qg, hs, P, vn)
 
 
 def scan_bwd(cfg, qg, kg, G, W, P, do, dht, seq, first, last, dseg=None):

@@ -1,12 +1,12 @@
 """`chunk_kda`: chunked Kimi Delta Attention on Pallas kernels, differentiable through a Pallas VJP.
 
 What the forward saves for the backward (`_core_fwd`): the kernel inputs, the in-chunk gate cumsum
-G, the per-chunk C×C matrices X (key-key decayed products), P (query-key) and M = (I + L)^{-1}, the
-WY keys W, the state-update keys kg = k e^{b-G}, the output-side queries qg = s q e^G, the
-pseudo-values Vn = U − W S and the state at the start of every chunk (the last five in the input
-dtype, like fla). Nothing of the forward is recomputed. Saving the per-chunk states costs
-T/C·H·K·V elements but spares the backward a second sequential scan, which is the stage with the
-least parallelism.
+G, the per-chunk C×C matrices X (key-key decayed products), P (query-key; in the input dtype) and
+M = (I + L)^{-1}, the WY keys W, the state-update keys kg = k e^{b-G}, the output-side queries
+qg = s q e^G, the pseudo-values Vn = U − W S and the state at the start of every chunk (the last
+five in the input dtype, like fla). Nothing of the forward is recomputed. Saving the per-chunk
+states costs T/C·H·K·V elements but spares the backward a second sequential scan, which is the
+stage with the least parallelism.
 
 Packing: `cu_seqlens` aligns each sequence to the chunk grid (its own initial / final state);
 `segment_ids` keeps the tokens where they are and resets the state inside chunks (document masks in
@@ -53,13 +53,11 @@ def _core(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
 # (small.gin's training step traced 252 kernels, each KDA layer's again; see RESULTS.md).
 @functools.partial(jax.jit, static_argnums=(0,))
 def _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
-  if cfg.tuning.fuse_wy:
-    G, X, P, M, W, U, kg = kk.intra_wy_fwd(cfg, q, k, v, g, beta, a_log, dt_bias, dseg=dseg)
-  else:
-    G, X, P, D = kk.intra_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg)
-    M, W, U, kg = kk.wy_fwd(cfg, k, v, beta, G, X, D, dseg=dseg)
+  G, qg, kb, kg = kk.gate_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg)
+  X, P, D = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg)
+  M, W, U = kk.wy_fwd(cfg, kb, v, beta, X, D)
   vn, hs, ht = kk.scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=dseg)
-  o, qg = kk.out_fwd(cfg, q, G, hs, P, vn, v.dtype, dseg=dseg)
+  o = kk.out_fwd(cfg, qg, hs, P, vn, v.dtype)
   res = (q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first, last, dseg)
   return (o, ht), res
 

@@ -155,25 +155,14 @@ def test_segment_ids_fp32_all_grads():
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
 
-def test_fused_intra_wy_kernel_with_segments():
-  """`Tuning(fuse_wy=True)`: the block-inverse merge in registers (chunk 64 = 4 sub-tiles), W in 2
-  K blocks and U in 3 V blocks of 16, with resets inside chunks, against the recurrence."""
-  d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=8)
-  seg = _segments(SEGMENT_ROWS, 100)
-  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
-                        tuning=kk.Tuning(fuse_wy=True, intra_fwd_bk=16))
-  assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
-  assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
-
-
 def test_kernels_in_k_and_v_blocks():
-  """Blocks of 16: the intra-chunk kernels work on 2 K blocks and dense_bwd on 2 K × 3 V blocks,
-  with resets inside chunks, against the recurrence."""
+  """Blocks of 16: gate_fwd and the intra-chunk kernels work on 2 K blocks and dense_bwd on
+  2 K × 3 V blocks, with resets inside chunks, against the recurrence."""
   d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=9)
   seg = _segments(SEGMENT_ROWS, 100)
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
-                        tuning=kk.Tuning(intra_fwd_bk=16, intra_bwd_bk=16, dense_bwd_bv=16,
-                                         dense_bwd_bk=16))
+                        tuning=kk.Tuning(gate_fwd_bk=16, intra_fwd_bk=16, intra_bwd_bk=16,
+                                         dense_bwd_bv=16, dense_bwd_bk=16))
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
@@ -254,6 +243,8 @@ def test_bad_arguments():
     chunk_kda(q, k, v, x, beta, chunk_size=24)
   with pytest.raises(ValueError, match="tuning.intra_fwd_bk"):
     chunk_kda(q, k, v, x, beta, tuning=kk.Tuning(intra_fwd_bk=12))
+  with pytest.raises(ValueError, match="tuning.gate_fwd_bk"):
+    chunk_kda(q, k, v, x, beta, tuning=kk.Tuning(gate_fwd_bk=12))
   with pytest.raises(ValueError, match="cu_seqlens requires B == 1"):
     chunk_kda(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]),
               jnp.concatenate([x, x]), jnp.concatenate([beta, beta]),
