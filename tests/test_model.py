@@ -32,11 +32,6 @@ def tiny_variables(cfg: config_lib.ModelConfig) -> dict:
   return nn.meta.unbox(init(cfg, jax.random.PRNGKey(0), 1, 8))
 
 
-def err_ratio(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.sqrt(np.mean((a - b) ** 2)) / np.sqrt(np.mean(b ** 2)))
-
-
 def test_published_parameter_counts():
   k3 = config_lib.from_gin([os.path.join(GIN_DIR, "k3.gin")]).model
   total, active = count_params(k3)
@@ -61,7 +56,7 @@ def test_attnres_with_zero_queries_equals_prenorm_residual_network():
   plain_vars = {**variables, "params": drop_mix(variables["params"])}
   logits_plain = K3Model(dataclasses.replace(cfg, attnres=False)).apply(plain_vars, tokens)
   # Only the RMSNorm epsilon differs: the mean of the sources is the residual sum / n.
-  assert err_ratio(logits_attnres, logits_plain) < 1e-3
+  assert error_ratio(logits_attnres, logits_plain) < 1e-3
   assert not np.allclose(logits_attnres, 0.0)
 
 
@@ -146,7 +141,7 @@ def test_remat_keeps_parameters_loss_gradients_and_balance_updates():
     variables, loss, grads, state = run(dataclasses.replace(base, remat=remat))
     assert jax.tree_util.tree_structure(variables) == jax.tree_util.tree_structure(ref_vars)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), variables, ref_vars)
-    assert err_ratio(loss, ref_loss) <= 1e-6, remat
+    assert error_ratio(loss, ref_loss) <= 1e-6, remat
     for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads),
                                 jax.tree_util.tree_leaves(ref_grads)):
       assert error_ratio(g, g_ref) <= 1e-5, (remat, jax.tree_util.keystr(path))

@@ -10,18 +10,9 @@ import numpy as np
 import pytest
 
 from k3jax.ops import kda
+from testlib import error_ratio
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
-
-
-def err_ratio(a, b) -> float:
-  """RMS(a − b) / RMS(b) in float64 (fla's metric); NaN anywhere fails."""
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  assert np.all(np.isfinite(a)) and np.all(np.isfinite(b))
-  denom = np.sqrt(np.mean(b * b))
-  num = np.sqrt(np.mean((a - b) ** 2))
-  return float(num / denom) if denom > 0 else float(num)
 
 
 def make_inputs(seed, B, T, H, K, V, gate="logsigmoid", n_states=None):
@@ -62,8 +53,8 @@ def loss_and_grads(fn, inputs, cotangent_seed=1, **kwargs):
 def assert_matches(chunk_out, ref_out, tol_fwd=1e-5, tol_grad=1e-4):
   o, ht, grads = chunk_out
   o_ref, ht_ref, grads_ref = ref_out
-  ratios = {"o": err_ratio(o, o_ref), "ht": err_ratio(ht, ht_ref)}
-  ratios.update({f"d{n}": err_ratio(a, b) for n, a, b in zip(GRAD_NAMES, grads, grads_ref)})
+  ratios = {"o": error_ratio(o, o_ref), "ht": error_ratio(ht, ht_ref)}
+  ratios.update({f"d{n}": error_ratio(a, b) for n, a, b in zip(GRAD_NAMES, grads, grads_ref)})
   print(ratios)
   for name, r in ratios.items():
     assert r <= (tol_fwd if name in ("o", "ht") else tol_grad), (name, r)
@@ -186,8 +177,8 @@ def test_chunk_qk_l2norm_and_dtypes():
                                     v.astype(jnp.bfloat16).astype(jnp.float32), g, beta,
                                     output_final_state=True)
   assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
-  assert err_ratio(o, o_ref) < 5e-3  # bf16 rounding of the output only
-  assert err_ratio(ht, ht_ref) < 1e-5
+  assert error_ratio(o, o_ref) < 5e-3  # bf16 rounding of the output only
+  assert error_ratio(ht, ht_ref) < 1e-5
 
 
 def test_chunk_is_exactly_causal():
@@ -220,8 +211,8 @@ def test_state_carry_equals_one_pass():
   o_full, ht_full = run(slice(0, T), h0)
   o_a, ht_a = run(slice(0, split), h0)
   o_b, ht_b = run(slice(split, T), ht_a)
-  assert err_ratio(jnp.concatenate([o_a, o_b], axis=1), o_full) <= 1e-5
-  assert err_ratio(ht_b, ht_full) <= 1e-5
+  assert error_ratio(jnp.concatenate([o_a, o_b], axis=1), o_full) <= 1e-5
+  assert error_ratio(ht_b, ht_full) <= 1e-5
 
 
 # --------------------------------------------------------------------------------------------------
@@ -265,8 +256,8 @@ def test_cu_seqlens_equals_separate_runs():
   want = loss_and_grads(kda.recurrent_kda, inputs, cu_seqlens=jnp.asarray(cu))
   for o, ht in (got[:2], want[:2]):
     assert ht.shape == (4, 2, 8, 12)
-    assert err_ratio(o, o_ref) <= 1e-5
-    assert err_ratio(ht, ht_ref) <= 1e-5
+    assert error_ratio(o, o_ref) <= 1e-5
+    assert error_ratio(ht, ht_ref) <= 1e-5
   # Gradients through the packed path (per-sequence states included), chunked vs recurrent.
   assert_matches(got, want)
 
@@ -282,8 +273,8 @@ def test_cu_seqlens_traced_under_jit():
     o, ht = run(jnp.asarray(cu))
     docs = [[np.arange(cu[n], cu[n + 1]) for n in range(3)]]
     o_ref, finals = separate_runs(inputs, docs, [[None] * 3])
-    assert err_ratio(o, o_ref) <= 1e-5
-    assert err_ratio(ht, np.stack(finals[0])) <= 1e-5
+    assert error_ratio(o, o_ref) <= 1e-5
+    assert error_ratio(ht, np.stack(finals[0])) <= 1e-5
     if cu[-1] < T:
       assert float(jnp.max(jnp.abs(o[:, cu[-1]:]))) == 0.0
 
@@ -303,8 +294,8 @@ def test_segment_ids_equal_separate_runs():
     kwargs = {"chunk_size": 16} if fn is kda.chunk_kda else {}
     o, ht = fn(*inputs[:5], initial_state=h0, output_final_state=True,
                segment_ids=jnp.asarray(seg), **kwargs)
-    assert err_ratio(o, o_ref) <= 1e-5, fn.__name__
-    assert err_ratio(ht, ht_ref) <= 1e-5, fn.__name__
+    assert error_ratio(o, o_ref) <= 1e-5, fn.__name__
+    assert error_ratio(ht, ht_ref) <= 1e-5, fn.__name__
     assert float(jnp.max(jnp.abs(o[0, 90:]))) == 0.0
 
 
@@ -332,9 +323,9 @@ def test_saturated_bounded_gate_long_sequence():
     for name, gr in zip(GRAD_NAMES, grads):
       assert bool(jnp.all(jnp.isfinite(gr.astype(jnp.float32)))), (dtype, name)
     if dtype == jnp.float32:
-      assert err_ratio(o, o_ref) <= 1e-5 and err_ratio(ht, ht_ref) <= 1e-5
+      assert error_ratio(o, o_ref) <= 1e-5 and error_ratio(ht, ht_ref) <= 1e-5
     else:  # bf16 inputs: only rounding of q, k, v (and of o) separates it from the fp32 run
-      assert err_ratio(o, o_ref) < 2e-2 and err_ratio(ht, ht_ref) < 2e-2
+      assert error_ratio(o, o_ref) < 2e-2 and error_ratio(ht, ht_ref) < 2e-2
 
 
 def test_unbounded_gate_is_exact():
@@ -350,7 +341,7 @@ def test_unbounded_gate_is_exact():
   g = kda.kda_gate(x, jnp.log(jnp.array([201.0, 8.0])), None, lower_bound=None)
   o, ht = kda.chunk_kda(*inputs[:3], g, inputs[4], output_final_state=True)
   o_ref, ht_ref = kda.recurrent_kda(*inputs[:3], g, inputs[4], output_final_state=True)
-  assert err_ratio(o, o_ref) <= 1e-5 and err_ratio(ht, ht_ref) <= 1e-5
+  assert error_ratio(o, o_ref) <= 1e-5 and error_ratio(ht, ht_ref) <= 1e-5
 
 
 # --------------------------------------------------------------------------------------------------

@@ -11,14 +11,7 @@ import pytest
 from k3jax.ops.kda import kda_gate, l2_normalize, recurrent_kda
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda import kernels as kk
-
-
-def _ratio(a, b):
-  a = np.asarray(a, np.float64)
-  b = np.asarray(b, np.float64)
-  den = np.sqrt(np.mean(b ** 2))
-  num = np.sqrt(np.mean((a - b) ** 2))
-  return float(num / den) if den > 0 else float(num)
+from testlib import error_ratio
 
 
 def _inputs(B, T, H, K, V, seed=0, n_states=None):
@@ -69,8 +62,8 @@ def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=
     grad_pal = jax.jit(grad_pal)
   g_pal, (o_pal, ht_pal) = grad_pal(*args)
   assert o_pal.dtype == dtype and o_pal.shape == o_ref.shape
-  errs = {"o": _ratio(o_pal, o_ref), "ht": _ratio(ht_pal, ht_ref)}
-  errs.update({"d" + n: _ratio(a, b) for n, a, b in zip(names, g_pal, g_ref)})
+  errs = {"o": error_ratio(o_pal, o_ref), "ht": error_ratio(ht_pal, ht_ref)}
+  errs.update({"d" + n: error_ratio(a, b) for n, a, b in zip(names, g_pal, g_ref)})
   for a in list(g_pal) + [o_pal, ht_pal]:
     assert np.isfinite(np.asarray(a, np.float32)).all()
   return errs
@@ -100,9 +93,9 @@ def test_fp32_preactivated_gate_and_chunk64():
   args = (d["q"], d["k"], d["v"], g, d["beta"], d["h0"])
   gr, (o_r, ht_r) = jax.grad(lambda *a: run(ref, *a), argnums=range(6), has_aux=True)(*args)
   gp, (o_p, ht_p) = jax.grad(lambda *a: run(pal, *a), argnums=range(6), has_aux=True)(*args)
-  assert _ratio(o_p, o_r) <= 1e-5 and _ratio(ht_p, ht_r) <= 1e-5
+  assert error_ratio(o_p, o_r) <= 1e-5 and error_ratio(ht_p, ht_r) <= 1e-5
   for a, b in zip(gp, gr):
-    assert _ratio(a, b) <= 1e-4
+    assert error_ratio(a, b) <= 1e-4
 
 
 def test_bf16_thresholds():
@@ -189,12 +182,12 @@ def test_segment_ids_exact_path_and_padding_outputs():
   o_p, ht_p = jax.jit(lambda s: chunk_kda(d["q"], d["k"], d["v"], g, d["beta"], chunk_size=16,
                                           **dict(kw, segment_ids=s)))(seg)
   o_r, ht_r = recurrent_kda(d["q"], d["k"], d["v"], g, d["beta"], **kw)
-  assert _ratio(o_p, o_r) <= 1e-5 and _ratio(ht_p, ht_r) <= 1e-5
+  assert error_ratio(o_p, o_r) <= 1e-5 and error_ratio(ht_p, ht_r) <= 1e-5
   assert np.all(np.asarray(o_p)[np.asarray(seg) == 0] == 0.0)
   # Row 1's last document (id 1, 39 tokens) starts from zeros: h0 must not reach its final state.
   _, ht_tail = recurrent_kda(d["q"][1:, 61:], d["k"][1:, 61:], d["v"][1:, 61:], g[1:, 61:],
                              d["beta"][1:, 61:], output_final_state=True)
-  assert _ratio(ht_p[1:], ht_tail) <= 1e-5
+  assert error_ratio(ht_p[1:], ht_tail) <= 1e-5
 
 
 def test_saturated_bounded_gate():
@@ -226,7 +219,7 @@ def test_unbounded_gates_take_exact_path():
   o_r, ht_r = recurrent_kda(d["q"], d["k"], d["v"], g, d["beta"], initial_state=d["h0"],
                             output_final_state=True)
   assert np.isfinite(np.asarray(o_p)).all() and np.isfinite(np.asarray(ht_p)).all()
-  assert _ratio(o_p, o_r) <= 1e-5 and _ratio(ht_p, ht_r) <= 1e-5
+  assert error_ratio(o_p, o_r) <= 1e-5 and error_ratio(ht_p, ht_r) <= 1e-5
 
 
 def test_bad_arguments():
