@@ -64,9 +64,7 @@ def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=
   assert o_pal.dtype == dtype and o_pal.shape == o_ref.shape
   errs = {"o": error_ratio(o_pal, o_ref), "ht": error_ratio(ht_pal, ht_ref)}
   errs.update({"d" + n: error_ratio(a, b) for n, a, b in zip(names, g_pal, g_ref)})
-  for a in list(g_pal) + [o_pal, ht_pal]:
-    assert np.isfinite(np.asarray(a, np.float32)).all()
-  return errs
+  return errs  # error_ratio has failed on any NaN/inf in o, ht or a gradient
 
 
 def test_fp32_fused_bounded_gate_all_grads():
