@@ -12,7 +12,9 @@ q/k L2-norm in the op). Prints one JSON line per measurement:
 
 With --stages, each Pallas kernel is first timed alone over launch candidates and block sizes
 (`STAGE_LAUNCHES`, `INTRA_BK`, `GATE_BK`, `DENSE_BLOCKS`, the scans' V blocks; --sweep picks the
-kernels) and the end-to-end timings use the fastest (`kernels.Tuning`); --tuning gives one instead;
+kernels; `intra_fwd_alone` and `scan_out_fwd` are the kernels of the forward alone, whose scan
+forms the outputs) and the end-to-end timings use the fastest (`kernels.Tuning`); --tuning
+overrides fields;
 --segments adds the segment-id path. Correctness runs with and without segment ids.
 
 Run: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/kda_bench.py
@@ -236,6 +238,7 @@ STAGE_LAUNCHES = {  # candidates swept by --stages: (num_warps, num_stages)
     "wy_fwd": [(4, 1), (8, 1)],
     "scan_fwd": [(4, 1), (4, 3), (8, 3)],
     "out_fwd": [(4, 1), (8, 1)],
+    "scan_out_fwd": [(4, 1), (4, 3), (8, 3)],  # the forward-alone scan (outputs formed inside)
     "scan_bwd": [(4, 1), (4, 3), (8, 3)],
     "dense_bwd": [(8, 1)],  # (4, 1) measured 1.8x slower in runs 3 and 4
     "intra_bwd": [(1, 1), (2, 1), (4, 1), (8, 1)],
@@ -247,8 +250,8 @@ SCAN_BV = [32, 64]
 SCAN_BV_NARROW = [16, 32, 64]  # few rows × heads: smaller V blocks give more programs
 
 
-STAGES = ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd", "scan_bwd", "dense_bwd",
-          "intra_bwd")
+STAGES = ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd", "intra_fwd_alone",
+          "scan_out_fwd", "scan_bwd", "dense_bwd", "intra_bwd")
 
 
 def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
@@ -301,21 +304,33 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   blocked = lambda name, bk_name, **fixed: [  # launches × K blocks of an intra-chunk kernel
       {f"{name}_launch": l, bk_name: bk, **fixed} for l in STAGE_LAUNCHES[name]
       for bk in INTRA_BK if bk <= D]
-  scan_variants = lambda name, bvk: [
-      {f"{name}_launch": l, bvk: bv} for bv in (SCAN_BV_NARROW if scans_only else SCAN_BV)
+  scan_variants = lambda name, bvk, field=None: [
+      {field or f"{name}_launch": l, bvk: bv} for bv in (SCAN_BV_NARROW if scans_only else SCAN_BV)
       for l in (STAGE_LAUNCHES[name][:2] if scans_only else STAGE_LAUNCHES[name])]
   keep = lambda name: launches(name) if not scans_only else [{}]
   gate_variants = [{"gate_fwd_launch": l, "gate_fwd_bk": bk}
                    for l in STAGE_LAUNCHES["gate_fwd"] for bk in GATE_BK if bk <= D]
   G, qg, kb, kg = stage("gate_fwd", kk.gate_fwd, (q, k, graw, beta, a_log, dt),
                         gate_variants if not scans_only else [{}])
-  X, P, Dm = stage("intra_fwd", kk.intra_fwd, (q, k, G, beta),
-                   blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
-  M, W, U = stage("wy_fwd", kk.wy_fwd, (kb, v, beta, X, Dm), keep("wy_fwd"))
+  X, P, M = stage("intra_fwd", kk.intra_fwd, (q, k, G, beta),
+                  blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
+  W, U = stage("wy_fwd", kk.wy_fwd, (kb, v, beta, M), keep("wy_fwd"))
+  scan_base = {f: best[f] for f in ("scan_fwd_launch", "bv_fwd")}
   vn, hs, ht = stage("scan_fwd", kk.scan_fwd, (kg, G, W, U, h0, seq, first, last),
                      scan_variants("scan_fwd", "bv_fwd"))
   stage("out_fwd", functools.partial(kk.out_fwd, out_dtype=v.dtype), (qg, hs, P, vn),
         keep("out_fwd"))
+  # The forward alone: intra_fwd without X (M in bf16), then the scan that forms the outputs and
+  # stores no residuals (it shares scan_fwd's launch and V block, which stay scan_fwd's pick).
+  split_best = {f: best[f] for f in ("scan_fwd_launch", "bv_fwd")}
+  P1, M1 = stage("intra_fwd_alone", functools.partial(kk.intra_fwd, residuals=False),
+                 (q, k, G, beta), [{}])
+  W1, U1 = kk.wy_fwd(cfg_for(), kb, v, beta, M1)
+  best.update(scan_base)
+  stage("scan_out_fwd", functools.partial(kk.scan_out_fwd, out_dtype=v.dtype),
+        (kg, G, W1, U1, qg, P1, h0, seq, first, last),
+        scan_variants("scan_out_fwd", "bv_fwd", "scan_fwd_launch"))
+  best.update(split_best)
   dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd,
                       (qg, kg, G, W, P, do, jnp.zeros_like(h0), seq, first, last),
                       scan_variants("scan_bwd", "bv_bwd"))
@@ -328,9 +343,10 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
         blocked("intra_bwd", "intra_bwd_bk") if not scans_only else [{}])
   tuning = kk.Tuning(**best)
   row["best"] = {n: list(v) if isinstance(v, tuple) else v for n, v in best.items()}
-  row["sum_best_fwd_ms"] = round(sum(min(row[n + "_ms"].values()) for n in
-                                     ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd")),
-                                 3)
+  fwd_sum = lambda names: round(sum(min(row[n + "_ms"].values()) for n in names), 3)
+  row["sum_best_train_fwd_ms"] = fwd_sum(("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd",
+                                          "out_fwd"))
+  row["sum_best_fwd_ms"] = fwd_sum(("gate_fwd", "intra_fwd_alone", "wy_fwd", "scan_out_fwd"))
   row["sum_best_bwd_ms"] = round(sum(min(row[n + "_ms"].values()) for n in
                                      ("scan_bwd", "dense_bwd", "intra_bwd")), 3)
   emit(**row)
@@ -353,8 +369,9 @@ def main():
                  help="with --stages, the kernels whose launch candidates are swept (the others "
                       "run once with kernels.default_tuning)")
   p.add_argument("--tuning", default="",
-                 help="JSON of kernels.Tuning fields for every shape (e.g. the 'best' of an "
-                      "earlier --stages run); without it, kernels.default_tuning")
+                 help="JSON of kernels.Tuning fields that replace kernels.default_tuning's at "
+                      "every shape (e.g. '{\"bv_fwd\": 16}', or the 'best' of an earlier "
+                      "--stages run)")
   a = p.parse_args()
   impls = a.impls.split(",")
   modes = a.modes.split(",")
@@ -364,14 +381,15 @@ def main():
   tuned = {}
   if a.tuning:
     fields = {n: tuple(v) if isinstance(v, list) else v for n, v in json.loads(a.tuning).items()}
-    tuned = {s: kk.Tuning(**fields) for s in shapes}
+    tuned = {s: dataclasses.replace(kk.default_tuning(s[0] * s[2], s[3], s[3]), **fields)
+             for s in shapes}
   if a.stages:
     sweep = tuple(a.sweep.split(","))
     unknown = set(sweep) - set(STAGES)
     if unknown:
       raise SystemExit(f"--sweep: unknown kernels {sorted(unknown)}; allowed: {', '.join(STAGES)}")
     wide = bench_stages(*shapes[0], sweep=sweep)
-    if {"scan_fwd", "scan_bwd"} & set(sweep):
+    if {"scan_fwd", "scan_out_fwd", "scan_bwd"} & set(sweep):
       narrow = wide
       if any(B * H < 64 for B, _, H, _ in shapes):  # few rows × heads: sweep the scans there too
         B, T, H, D = next(s for s in shapes if s[0] * s[2] < 64)

@@ -30,8 +30,10 @@ bounded gates (|g| ≤ 5 ⇒ ≤ e^75). With `exact_diag=True` the diagonal tile
 pairwise differences e^{min(G_i - G_j, 0)} (16 rank-1 steps on the vector units), valid for any g ≤ 0.
 
 Kernels (grid: what one program does). Forward: gate_fwd (B, NT, H: the gate, G and the gated q /
-k), intra_fwd (B, NT, H: one chunk, its K columns in blocks of `Tuning.intra_fwd_bk`, a loop),
-wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over the chunks), out_fwd (B, NT, H).
+k), intra_fwd (B, NT, H: one chunk, its K columns in blocks of `Tuning.intra_fwd_bk`, a loop; the
+pair tiles and M), wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over the chunks), out_fwd
+(B, NT, H); the forward alone (no gradient) runs scan_out_fwd instead of the last two: the same scan
+forming the outputs, with nothing stored for a backward.
 Backward: scan_bwd (B, H, V/bv), dense_bwd (B, NT, H: loops over V and K blocks,
 `Tuning.dense_bwd_bv` / `dense_bwd_bk`), intra_bwd (B, NT, H, K/bk · NS: one 16-row sub-tile and K
 block), gate_bwd (B, NT, H). Small register tiles and many programs were what made the intra-chunk
@@ -81,7 +83,7 @@ class Tuning:
 
 
 def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
-  """Launch parameters and blocks measured best on an H200 (RESULTS.md, runs 4 and 5) for B·H =
+  """Launch parameters and blocks measured best on an H200 (RESULTS.md, runs 4 to 6) for B·H =
   rows_heads and head dims K, V.
 
   With few rows × heads the scans run on few programs: smaller V blocks (more programs) and a
@@ -92,8 +94,8 @@ def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
   """
   if rows_heads >= 64:
     bv_fwd, bv_bwd, scan_bwd = 64, 64, (8, 3)
-  else:
-    bv_fwd, bv_bwd, scan_bwd = 32, 16, (4, 3)
+  else:  # 16-wide forward blocks since run 6 (scan_fwd 0.87 vs 1.03 ms for 32 at 1 x 32768 x 16)
+    bv_fwd, bv_bwd, scan_bwd = 16, 16, (4, 3)
   fit = lambda block, width: block if width % block == 0 else width
   return Tuning(gate_fwd_launch=(8, 1), gate_fwd_bk=fit(128, K), intra_fwd_launch=(1, 1),
                 intra_fwd_bk=fit(16, K), scan_fwd_launch=(4, 3),
@@ -266,18 +268,20 @@ def _gate_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward 2: X / P tiles and the inverses of the diagonal blocks of I + L.
+# Forward 2: X / P tiles and M = (I + L)^{-1}.
 # ----------------------------------------------------------------------------------------------
-def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, beta_ref, *refs):
-  """X and P tiles (zero above the diagonal) and D = the inverses of the diagonal blocks of I + L
-  (zero elsewhere).
+def _intra_fwd_kernel(cfg: KernelConfig, residuals, q_ref, k_ref, G_ref, beta_ref, *refs):
+  """X and P tiles (zero above the diagonal) and M = (I + L)^{-1} (lower block triangular). With
+  `residuals` (a training forward) also X, and M in fp32 (the backward's inputs); without, M in
+  cfg.mm_dtype, the dtype in which wy_fwd's dots read it.
 
   The pair tiles are sums over K: they accumulate over K blocks of `tuning.intra_fwd_bk` columns
   (a loop), so only [BC, bk] operands are live at a time (fla's layout; on the H200, 3.65 → 1.07 ms
   at (8, 4096, 16, 128) against the whole K width, RESULTS.md run 4; 0.66 ms once the gate moved
   to gate_fwd, run 5).
   """
-  dseg_ref, (X_ref, P_ref, D_ref) = (refs[0], refs[1:]) if cfg.segmented else (None, refs)
+  dseg_ref, refs = (refs[0], refs[1:]) if cfg.segmented else (None, refs)
+  X_ref, P_ref, M_ref = refs if residuals else (None,) + tuple(refs)
   ns, K = cfg.ns, q_ref.shape[-1]
   bk = _block(K, cfg.tuning.intra_fwd_bk, "tuning.intra_fwd_bk")
   tile = (BC, BC)
@@ -321,8 +325,9 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, beta_ref, *refs):
     beta = _f32(beta_ref[_sub(I)])[:, None]
     for J in range(ns):
       if J > I:
-        for ref in (X_ref, P_ref, D_ref):
-          ref[_sub(I), _sub(J)] = zeros_tile.astype(ref.dtype)
+        for ref in (X_ref, P_ref, M_ref):
+          if ref is not None:
+            ref[_sub(I), _sub(J)] = zeros_tile.astype(ref.dtype)
         continue
       x, p = acc[(I, J)]
       if cfg.segmented:
@@ -333,7 +338,8 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, beta_ref, *refs):
         x = jnp.where(ii > jj, x, 0.0)
         p = jnp.where(ii >= jj, p, 0.0)
       ls[(I, J)] = beta * x
-      X_ref[_sub(I), _sub(J)] = x
+      if residuals:
+        X_ref[_sub(I), _sub(J)] = x
       P_ref[_sub(I), _sub(J)] = p.astype(P_ref.dtype)
 
   # (I + L_II)^{-1} of the NS diagonal blocks by forward substitution, one row at a time, the NS
@@ -348,9 +354,19 @@ def _intra_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, beta_ref, *refs):
 
   eye = jnp.where(ii == jj, 1.0, 0.0)
   invs = lax.fori_loop(1, BC, subst_step, (eye,) * ns)
+  # M = (I + L)^{-1} by block forward substitution over the sub-tiles:
+  # M_II = (I + L_II)^{-1},  M_IJ = -M_II Σ_{J≤K<I} L_IK M_KJ  (J < I): 16 small dots at NS = 4,
+  # on tiles already in registers (wy_fwd formerly re-read X and the inverses for this).
+  ms = {(I, I): invs[I] for I in range(ns)}
+  for I in range(1, ns):
+    for J in range(I):
+      acc = _hd(cfg, ls[(I, J)], ms[(J, J)])
+      for K in range(J + 1, I):
+        acc = acc + _hd(cfg, ls[(I, K)], ms[(K, J)])
+      ms[(I, J)] = -_hd(cfg, invs[I], acc)
   for I in range(ns):
     for J in range(I + 1):
-      D_ref[_sub(I), _sub(J)] = invs[I] if I == J else zeros_tile
+      M_ref[_sub(I), _sub(J)] = ms[(I, J)].astype(M_ref.dtype)
 
 
 def _split_refs(cfg, refs):
@@ -363,41 +379,37 @@ def _split_refs(cfg, refs):
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward 3: merge the block inverses into M = (I + L)^{-1}; W = M kb, U = M (β v).
+# Forward 3: the WY keys and values W = M kb, U = M (β v) (M from intra_fwd).
 # ----------------------------------------------------------------------------------------------
-def _wy_fwd_kernel(cfg: KernelConfig, kb_ref, v_ref, beta_ref, X_ref, D_ref, M_ref, W_ref, U_ref):
-  C = cfg.chunk
-  ii, jj = _iota((C, C), 0), _iota((C, C), 1)
+def _wy_fwd_kernel(cfg: KernelConfig, kb_ref, v_ref, beta_ref, M_ref, W_ref, U_ref):
   beta = _f32(beta_ref[...])[:, None]
-  lmat = beta * X_ref[...]
-  l_off = jnp.where(ii // BC > jj // BC, lmat, 0.0)
-  dinv = D_ref[...]
-  # I + L = (I + L_diag)(I + N), N = D L_off strictly block-lower (N^NS = 0), so
-  # (I + L)^{-1} = (I - N + N² - N³ ...) D, evaluated as a product of (I + (-N)^{2^m}) factors.
-  n = _hd(cfg, dinv, l_off)
-  m = dinv
-  power = -n
-  steps = (cfg.ns - 1).bit_length()
-  for step in range(steps):  # m ← (I + (-N)^{2^step}) m
-    m = m + _hd(cfg, power, m)
-    if step + 1 < steps:
-      power = _hd(cfg, power, power)
-  M_ref[...] = m
+  m = M_ref[...]
   W_ref[...] = _mm(cfg, m, kb_ref[...]).astype(W_ref.dtype)
   U_ref[...] = _mm(cfg, m, beta * _f32(v_ref[...])).astype(U_ref.dtype)
 
 
 # ----------------------------------------------------------------------------------------------
 # Forward 4: sequential scan over chunks for the states and pseudo-values (one program per batch
-# row, head and V block).
+# row, head and V block); with `fused`, also the outputs (forward 5 inside the scan).
 # ----------------------------------------------------------------------------------------------
-def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, kg_ref, G_ref, W_ref, U_ref, h0_ref, seq_ref,
-                     first_ref, last_ref, *refs):
+def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, fused, kg_ref, G_ref, W_ref, U_ref, *refs):
+  """States S per chunk start and Vn = U - W S, sequentially over chunks.
+
+  Training forward (not fused): stores Vn and the per-chunk states for out_fwd and the backward.
+  Forward alone (fused): forms each chunk's outputs o = qg S + P Vn here from the state and Vn in
+  registers (extra inputs qg, P) and stores neither; out_fwd is not launched.
+  """
+  if fused:
+    qg_ref, P_ref, refs = refs[0], refs[1], refs[2:]
+  h0_ref, seq_ref, first_ref, last_ref, refs = refs[0], refs[1], refs[2], refs[3], refs[4:]
   if cfg.segmented:
     dseg_ref, refs = refs[0], refs[1:]
-  vn_ref, hs_ref, ht_ref = refs
+  if fused:
+    o_ref, ht_ref = refs
+  else:
+    vn_ref, hs_ref, ht_ref = refs
   b, h, iv = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-  C, K = cfg.chunk, W_ref.shape[-1]
+  C, K = cfg.chunk, kg_ref.shape[-1]
   vs = pl.ds(iv * bv, bv)
 
   def body(c, s):
@@ -406,12 +418,19 @@ def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, kg_ref, G_ref, W_ref, U_ref, h0_
     seq = seq_ref[b, c]
     s = lax.cond(first_ref[b, c] != 0, lambda: h0_ref[seq, h, :, vs].astype(jnp.float32),
                  lambda: s)
-    hs_ref[b, c, h, :, vs] = s.astype(hs_ref.dtype)
+    if not fused:
+      hs_ref[b, c, h, :, vs] = s.astype(hs_ref.dtype)
     decay = jnp.exp(G_ref[b, t0 + C - 1, h, :])[:, None]
     if cfg.segmented:  # a reset inside the chunk drops the incoming state at the chunk's end
       decay = jnp.where(dseg_ref[b, t0 + C - 1] == 0, decay, 0.0)
     vn = _f32(U_ref[b, rows, h, vs]) - _mm(cfg, W_ref[b, rows, h, :], s)
-    vn_ref[b, rows, h, vs] = vn.astype(vn_ref.dtype)
+    if fused:  # the operands rounded as out_fwd reads them back from the stores: the same o
+      s_op = s.astype(cfg.state_dtype)
+      vn_op = vn.astype(cfg.state_dtype)
+      o = _mm(cfg, qg_ref[b, rows, h, :], s_op) + _mm(cfg, P_ref[b, c, h, :, :], vn_op)
+      o_ref[b, rows, h, vs] = o.astype(o_ref.dtype)
+    else:
+      vn_ref[b, rows, h, vs] = vn.astype(vn_ref.dtype)
     s = decay * s + _mm(cfg, kg_ref[b, rows, h, :].T, vn)
 
     @pl.when(last_ref[b, c] != 0)
@@ -424,7 +443,8 @@ def _scan_fwd_kernel(cfg: KernelConfig, nt, bv, kg_ref, G_ref, W_ref, U_ref, h0_
 
 
 # ----------------------------------------------------------------------------------------------
-# Forward 5: outputs o = qg S + P Vn, parallel over chunks (qg = s q e^G from gate_fwd).
+# Forward 5 (training forward): outputs o = qg S + P Vn, parallel over chunks (qg = s q e^G from
+# gate_fwd).
 # ----------------------------------------------------------------------------------------------
 def _out_fwd_kernel(cfg: KernelConfig, qg_ref, hs_ref, P_ref, vn_ref, o_ref):
   o = _mm(cfg, qg_ref[...], hs_ref[...]) + _mm(cfg, P_ref[...], vn_ref[...])
@@ -725,9 +745,10 @@ def gate_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
   )(*args)
 
 
-def intra_fwd(cfg, q, k, G, beta, dseg=None):
-  """Returns X, D [B,NT,H,C,C] fp32 and P [B,NT,H,C,C] in cfg.mm_dtype (its users read it as a dot
-  operand of that dtype)."""
+def intra_fwd(cfg, q, k, G, beta, dseg=None, residuals=True):
+  """Returns X [B,NT,H,C,C] fp32 (only with `residuals`), P [B,NT,H,C,C] in cfg.mm_dtype (its
+  users read it as a dot operand of that dtype) and M = (I + L)^{-1} [B,NT,H,C,C] (fp32 with
+  `residuals`, for the backward; else cfg.mm_dtype)."""
   _check_seg(cfg, dseg)
   B, T, H, K = q.shape
   C = cfg.chunk
@@ -738,19 +759,23 @@ def intra_fwd(cfg, q, k, G, beta, dseg=None):
     in_specs.append(_seg_spec(C))
     args.append(dseg)
   mat = lambda dtype: jax.ShapeDtypeStruct((B, nt, H, C, C), dtype)
+  if residuals:
+    out_shape = [mat(jnp.float32), mat(cfg.mm_dtype), mat(jnp.float32)]
+  else:
+    out_shape = [mat(cfg.mm_dtype), mat(cfg.mm_dtype)]
   return pl.pallas_call(
-      functools.partial(_intra_fwd_kernel, cfg),
+      functools.partial(_intra_fwd_kernel, cfg, residuals),
       grid=(B, nt, H),
       in_specs=in_specs,
-      out_specs=[_mat_spec(C)] * 3,
-      out_shape=[mat(jnp.float32), mat(cfg.mm_dtype), mat(jnp.float32)],
+      out_specs=[_mat_spec(C)] * len(out_shape),
+      out_shape=out_shape,
       interpret=cfg.interpret, name="kda_intra_fwd",
       **_params(cfg, cfg.tuning.intra_fwd_launch),
   )(*args)
 
 
-def wy_fwd(cfg, kb, v, beta, X, D):
-  """Returns M [B,NT,H,C,C] fp32, W [B,T,H,K] and U [B,T,H,V] (cfg.state_dtype)."""
+def wy_fwd(cfg, kb, v, beta, M):
+  """Returns W [B,T,H,K] and U [B,T,H,V] (cfg.state_dtype)."""
   B, T, H, K = kb.shape
   V = v.shape[-1]
   C = cfg.chunk
@@ -758,13 +783,12 @@ def wy_fwd(cfg, kb, v, beta, X, D):
   return pl.pallas_call(
       functools.partial(_wy_fwd_kernel, cfg),
       grid=(B, nt, H),
-      in_specs=[_tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _mat_spec(C), _mat_spec(C)],
-      out_specs=[_mat_spec(C), _tok_spec(C, K), _tok_spec(C, V)],
-      out_shape=[jax.ShapeDtypeStruct((B, nt, H, C, C), jnp.float32),
-                 jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype),
+      in_specs=[_tok_spec(C, K), _tok_spec(C, V), _vec_spec(C), _mat_spec(C)],
+      out_specs=[_tok_spec(C, K), _tok_spec(C, V)],
+      out_shape=[jax.ShapeDtypeStruct((B, T, H, K), cfg.state_dtype),
                  jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype)],
       interpret=cfg.interpret, name="kda_wy_fwd", **_params(cfg, cfg.tuning.wy_fwd_launch),
-  )(kb, v, beta, X, D)
+  )(kb, v, beta, M)
 
 
 def _bv(V, bv):
@@ -774,25 +798,43 @@ def _bv(V, bv):
   return bv
 
 
+def _scan_fwd_call(cfg, fused, args, out_shape):
+  B, T, H, K = args[0].shape
+  V = args[3].shape[-1]
+  bv = _bv(V, cfg.tuning.bv_fwd)
+  return pl.pallas_call(
+      functools.partial(_scan_fwd_kernel, cfg, T // cfg.chunk, bv, fused),
+      grid=(B, H, V // bv),
+      out_shape=out_shape,
+      # sequences with no chunk keep their initial state (h0's index in args)
+      input_output_aliases={6 if fused else 4: len(out_shape) - 1},
+      interpret=cfg.interpret, name="kda_scan_out_fwd" if fused else "kda_scan_fwd",
+      **_params(cfg, cfg.tuning.scan_fwd_launch),
+  )(*args)
+
+
 def scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=None):
-  """Returns Vn [B,T,H,V] (cfg.state_dtype), per-chunk start states [B,NT,H,K,V], final states
-  like h0."""
+  """The training forward's scan. Returns Vn [B,T,H,V] (cfg.state_dtype), per-chunk start states
+  [B,NT,H,K,V] (cfg.state_dtype), final states like h0."""
   _check_seg(cfg, dseg)
   B, T, H, K = kg.shape
   V = U.shape[-1]
-  C = cfg.chunk
-  nt = T // C
-  bv = _bv(V, cfg.tuning.bv_fwd)
   args = [kg, G, W, U, h0, seq, first, last] + ([dseg] if cfg.segmented else [])
-  return pl.pallas_call(
-      functools.partial(_scan_fwd_kernel, cfg, nt, bv),
-      grid=(B, H, V // bv),
-      out_shape=[jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
-                 jax.ShapeDtypeStruct((B, nt, H, K, V), cfg.state_dtype),
-                 jax.ShapeDtypeStruct(h0.shape, jnp.float32)],
-      input_output_aliases={4: 2},  # sequences with no chunk keep their initial state
-      interpret=cfg.interpret, name="kda_scan_fwd", **_params(cfg, cfg.tuning.scan_fwd_launch),
-  )(*args)
+  return _scan_fwd_call(cfg, False, args, [
+      jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
+      jax.ShapeDtypeStruct((B, T // cfg.chunk, H, K, V), cfg.state_dtype),
+      jax.ShapeDtypeStruct(h0.shape, jnp.float32)])
+
+
+def scan_out_fwd(cfg, kg, G, W, U, qg, P, h0, seq, first, last, dseg=None, *, out_dtype):
+  """The forward alone (nothing kept for a backward): the scan forms the outputs. Returns o
+  [B,T,H,V] in out_dtype and the final states, like h0."""
+  _check_seg(cfg, dseg)
+  B, T, H, _ = kg.shape
+  V = U.shape[-1]
+  args = [kg, G, W, U, qg, P, h0, seq, first, last] + ([dseg] if cfg.segmented else [])
+  return _scan_fwd_call(cfg, True, args, [jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
+                                          jax.ShapeDtypeStruct(h0.shape, jnp.float32)])
 
 
 def out_fwd(cfg, qg, hs, P, vn, out_dtype):

@@ -6,7 +6,8 @@ M = (I + L)^{-1}, the WY keys W, the state-update keys kg = k e^{b-G}, the outpu
 qg = s q e^G, the pseudo-values Vn = U − W S and the state at the start of every chunk (the last
 five in the input dtype, like fla). Nothing of the forward is recomputed. Saving the per-chunk
 states costs T/C·H·K·V elements but spares the backward a second sequential scan, which is the
-stage with the least parallelism.
+stage with the least parallelism. Without a gradient (`_forward` with residuals=False) none of
+this is written beyond what the forward itself reads back.
 
 Packing: `cu_seqlens` aligns each sequence to the chunk grid (its own initial / final state);
 `segment_ids` keeps the tokens where they are and resets the state inside chunks (document masks in
@@ -44,18 +45,31 @@ def _l2norm(x):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _core(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
-  (o, ht), _ = _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg)
-  return o, ht
+  return _forward(cfg, False, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg)
+
+
+def _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
+  return _forward(cfg, True, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg)
 
 
 # The kernel sequences are jitted with the static config: a model calls them once per KDA layer
 # with the same shapes, and a jit is traced and lowered to Triton once for all of those calls
 # (small.gin's training step traced 252 kernels, each KDA layer's again; see RESULTS.md).
-@functools.partial(jax.jit, static_argnums=(0,))
-def _core_fwd(cfg, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _forward(cfg, residuals, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, last, dseg):
+  """Returns (o, ht), and with `residuals` also what the backward reads. Without (no gradient
+  taken), intra_fwd does not write X and writes M in the dots' dtype, the scan forms the outputs
+  itself instead of storing Vn and the per-chunk states for out_fwd (RESULTS.md, run 6: 0.41 vs
+  0.65 ms for scan + out_fwd at (8, 4096, 16, 128))."""
   G, qg, kb, kg = kk.gate_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg)
-  X, P, D = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg)
-  M, W, U = kk.wy_fwd(cfg, kb, v, beta, X, D)
+  if residuals:
+    X, P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg)
+  else:
+    P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg, residuals=False)
+  W, U = kk.wy_fwd(cfg, kb, v, beta, M)
+  if not residuals:
+    return kk.scan_out_fwd(cfg, kg, G, W, U, qg, P, h0, seq, first, last, dseg=dseg,
+                           out_dtype=v.dtype)
   vn, hs, ht = kk.scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=dseg)
   o = kk.out_fwd(cfg, qg, hs, P, vn, v.dtype)
   res = (q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first, last, dseg)

@@ -62,7 +62,11 @@ def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=
     grad_pal = jax.jit(grad_pal)
   g_pal, (o_pal, ht_pal) = grad_pal(*args)
   assert o_pal.dtype == dtype and o_pal.shape == o_ref.shape
-  errs = {"o": error_ratio(o_pal, o_ref), "ht": error_ratio(ht_pal, ht_ref)}
+  # Without a gradient the kernels write no residuals (another path through them): "o" and "ht"
+  # are the worse of the two paths.
+  _, (o_fwd, ht_fwd) = jax.jit(pal)(*args)
+  errs = {"o": max(error_ratio(o_pal, o_ref), error_ratio(o_fwd, o_ref)),
+          "ht": max(error_ratio(ht_pal, ht_ref), error_ratio(ht_fwd, ht_ref))}
   errs.update({"d" + n: error_ratio(a, b) for n, a, b in zip(names, g_pal, g_ref)})
   return errs  # error_ratio has failed on any NaN/inf in o, ht or a gradient
 
@@ -109,6 +113,8 @@ def test_bf16_thresholds():
 def test_cu_seqlens_with_states_and_empty_sequence():
   cu = jnp.array([0, 5, 5, 40, 41, 70], jnp.int32)  # includes an empty sequence
   d = _inputs(B=1, T=70, H=1, K=16, V=16, seed=3, n_states=5)
+  # The empty sequence keeps its initial state through the buffer aliased in both forward scans
+  # (the one of the forward alone, checked by _compare_fused too, has two more inputs before h0).
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=16, cu_seqlens=cu)
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
@@ -147,13 +153,14 @@ def test_segment_ids_fp32_all_grads():
 
 
 def test_kernels_in_k_and_v_blocks():
-  """Blocks of 16: gate_fwd and the intra-chunk kernels work on 2 K blocks and dense_bwd on
-  2 K × 3 V blocks, with resets inside chunks, against the recurrence."""
+  """Blocks of 16: gate_fwd and the intra-chunk kernels work on 2 K blocks, dense_bwd on
+  2 K × 3 V blocks and the scans on 3 V blocks, with resets inside chunks, against the
+  recurrence."""
   d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=9)
   seg = _segments(SEGMENT_ROWS, 100)
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
                         tuning=kk.Tuning(gate_fwd_bk=16, intra_fwd_bk=16, intra_bwd_bk=16,
-                                         dense_bwd_bv=16, dense_bwd_bk=16))
+                                         dense_bwd_bv=16, dense_bwd_bk=16, bv_fwd=16, bv_bwd=16))
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
