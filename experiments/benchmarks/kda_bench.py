@@ -4,7 +4,9 @@ Same inputs for all (bf16 q, k, v, raw gate, beta; A_log = dt_bias = 0; bounded 
 q/k L2-norm in the op). Prints one JSON line per measurement:
 - correctness at a small shape vs the fp32 `recurrent_kda` (RMS error ratio of o, final state, grads);
 - timings (ms per call; JAX: median over 5 batches of calls dispatched back to back, see `time_jax`;
-  fla: triton's do_bench) of forward and forward+backward;
+  fla: triton's do_bench) of forward and forward+backward. The forward is the call without a
+  gradient: for Pallas the kernels that store nothing for a backward (`ops._forward`), for fla the
+  same kernels as under autograd (its forward does not depend on it);
 - TFLOP/s by the chunk FLOP count of the Kimi Linear paper (eq. 13: per head 6·T·d² + 3·T·C·d + T·C²,
   forward; forward+backward counted as 3× that);
 - memory of forward+backward at every shape: for JAX the compiled step's inputs + outputs +
