@@ -279,8 +279,9 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
                            gate="bounded", lower_bound=LB, interpret=False,
                            state_dtype=jnp.bfloat16, tuning=kk.Tuning(**dict(best, **over)))
 
-  def stage(name, fn, args, variants):
-    """variants: list of Tuning overrides; keeps the fastest in `best`, returns its outputs."""
+  def stage(name, fn, args, variants, keep_pick=True):
+    """variants: list of Tuning overrides; keeps the fastest in `best` (unless not `keep_pick`: a
+    kernel timed on another's Tuning fields), returns its outputs."""
     if name not in sweep:
       variants = [{}]
     times, outs, fastest = {}, None, float("inf")
@@ -299,7 +300,8 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
     row[name + "_ms"] = times
     if not times:
       raise RuntimeError(f"no variant of {name} ran: {row}")
-    best.update(pick)
+    if keep_pick:
+      best.update(pick)
     return outs
 
   launches = lambda name: [{f"{name}_launch": l} for l in STAGE_LAUNCHES[name]]
@@ -317,22 +319,18 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   X, P, M = stage("intra_fwd", kk.intra_fwd, (q, k, G, beta),
                   blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
   W, U = stage("wy_fwd", kk.wy_fwd, (kb, v, beta, M), keep("wy_fwd"))
-  scan_base = {f: best[f] for f in ("scan_fwd_launch", "bv_fwd")}
   vn, hs, ht = stage("scan_fwd", kk.scan_fwd, (kg, G, W, U, h0, seq, first, last),
                      scan_variants("scan_fwd", "bv_fwd"))
   stage("out_fwd", functools.partial(kk.out_fwd, out_dtype=v.dtype), (qg, hs, P, vn),
         keep("out_fwd"))
   # The forward alone: intra_fwd without X (M in bf16), then the scan that forms the outputs and
   # stores no residuals (it shares scan_fwd's launch and V block, which stay scan_fwd's pick).
-  split_best = {f: best[f] for f in ("scan_fwd_launch", "bv_fwd")}
   P1, M1 = stage("intra_fwd_alone", functools.partial(kk.intra_fwd, residuals=False),
                  (q, k, G, beta), [{}])
   W1, U1 = kk.wy_fwd(cfg_for(), kb, v, beta, M1)
-  best.update(scan_base)
   stage("scan_out_fwd", functools.partial(kk.scan_out_fwd, out_dtype=v.dtype),
         (kg, G, W1, U1, qg, P1, h0, seq, first, last),
-        scan_variants("scan_out_fwd", "bv_fwd", "scan_fwd_launch"))
-  best.update(split_best)
+        scan_variants("scan_out_fwd", "bv_fwd", "scan_fwd_launch"), keep_pick=False)
   dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd,
                       (qg, kg, G, W, P, do, jnp.zeros_like(h0), seq, first, last),
                       scan_variants("scan_bwd", "bv_bwd"))

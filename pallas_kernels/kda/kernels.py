@@ -355,15 +355,15 @@ def _intra_fwd_kernel(cfg: KernelConfig, residuals, q_ref, k_ref, G_ref, beta_re
   eye = jnp.where(ii == jj, 1.0, 0.0)
   invs = lax.fori_loop(1, BC, subst_step, (eye,) * ns)
   # M = (I + L)^{-1} by block forward substitution over the sub-tiles:
-  # M_II = (I + L_II)^{-1},  M_IJ = -M_II Σ_{J≤K<I} L_IK M_KJ  (J < I): 16 small dots at NS = 4,
+  # M_II = (I + L_II)^{-1},  M_IJ = -M_II Σ_{J≤m<I} L_Im M_mJ  (J < I): 16 small dots at NS = 4,
   # on tiles already in registers (wy_fwd formerly re-read X and the inverses for this).
   ms = {(I, I): invs[I] for I in range(ns)}
   for I in range(1, ns):
     for J in range(I):
-      acc = _hd(cfg, ls[(I, J)], ms[(J, J)])
-      for K in range(J + 1, I):
-        acc = acc + _hd(cfg, ls[(I, K)], ms[(K, J)])
-      ms[(I, J)] = -_hd(cfg, invs[I], acc)
+      lm = _hd(cfg, ls[(I, J)], ms[(J, J)])  # Σ_{J≤m<I} L_Im M_mJ
+      for m in range(J + 1, I):
+        lm = lm + _hd(cfg, ls[(I, m)], ms[(m, J)])
+      ms[(I, J)] = -_hd(cfg, invs[I], lm)
   for I in range(ns):
     for J in range(I + 1):
       M_ref[_sub(I), _sub(J)] = ms[(I, J)].astype(M_ref.dtype)
@@ -798,16 +798,20 @@ def _bv(V, bv):
   return bv
 
 
-def _scan_fwd_call(cfg, fused, args, out_shape):
-  B, T, H, K = args[0].shape
-  V = args[3].shape[-1]
+def _scan_fwd_call(cfg, fused, chunk_inputs, h0, seq, first, last, dseg, out_shape):
+  """chunk_inputs: kg, G, W, U (+ qg, P when fused), in the kernel's order; the final states
+  (last output) alias h0."""
+  _check_seg(cfg, dseg)
+  B, T, H, _ = chunk_inputs[0].shape
+  V = chunk_inputs[3].shape[-1]
   bv = _bv(V, cfg.tuning.bv_fwd)
+  args = list(chunk_inputs) + [h0, seq, first, last] + ([dseg] if cfg.segmented else [])
   return pl.pallas_call(
       functools.partial(_scan_fwd_kernel, cfg, T // cfg.chunk, bv, fused),
       grid=(B, H, V // bv),
       out_shape=out_shape,
-      # sequences with no chunk keep their initial state (h0's index in args)
-      input_output_aliases={6 if fused else 4: len(out_shape) - 1},
+      # sequences with no chunk keep their initial state
+      input_output_aliases={len(chunk_inputs): len(out_shape) - 1},
       interpret=cfg.interpret, name="kda_scan_out_fwd" if fused else "kda_scan_fwd",
       **_params(cfg, cfg.tuning.scan_fwd_launch),
   )(*args)
@@ -816,11 +820,9 @@ def _scan_fwd_call(cfg, fused, args, out_shape):
 def scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=None):
   """The training forward's scan. Returns Vn [B,T,H,V] (cfg.state_dtype), per-chunk start states
   [B,NT,H,K,V] (cfg.state_dtype), final states like h0."""
-  _check_seg(cfg, dseg)
   B, T, H, K = kg.shape
   V = U.shape[-1]
-  args = [kg, G, W, U, h0, seq, first, last] + ([dseg] if cfg.segmented else [])
-  return _scan_fwd_call(cfg, False, args, [
+  return _scan_fwd_call(cfg, False, (kg, G, W, U), h0, seq, first, last, dseg, [
       jax.ShapeDtypeStruct((B, T, H, V), cfg.state_dtype),
       jax.ShapeDtypeStruct((B, T // cfg.chunk, H, K, V), cfg.state_dtype),
       jax.ShapeDtypeStruct(h0.shape, jnp.float32)])
@@ -829,12 +831,11 @@ def scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=None):
 def scan_out_fwd(cfg, kg, G, W, U, qg, P, h0, seq, first, last, dseg=None, *, out_dtype):
   """The forward alone (nothing kept for a backward): the scan forms the outputs. Returns o
   [B,T,H,V] in out_dtype and the final states, like h0."""
-  _check_seg(cfg, dseg)
   B, T, H, _ = kg.shape
   V = U.shape[-1]
-  args = [kg, G, W, U, qg, P, h0, seq, first, last] + ([dseg] if cfg.segmented else [])
-  return _scan_fwd_call(cfg, True, args, [jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
-                                          jax.ShapeDtypeStruct(h0.shape, jnp.float32)])
+  return _scan_fwd_call(cfg, True, (kg, G, W, U, qg, P), h0, seq, first, last, dseg,
+                        [jax.ShapeDtypeStruct((B, T, H, V), out_dtype),
+                         jax.ShapeDtypeStruct(h0.shape, jnp.float32)])
 
 
 def out_fwd(cfg, qg, hs, P, vn, out_dtype):

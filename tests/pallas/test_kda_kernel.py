@@ -114,7 +114,7 @@ def test_cu_seqlens_with_states_and_empty_sequence():
   cu = jnp.array([0, 5, 5, 40, 41, 70], jnp.int32)  # includes an empty sequence
   d = _inputs(B=1, T=70, H=1, K=16, V=16, seed=3, n_states=5)
   # The empty sequence keeps its initial state through the buffer aliased in both forward scans
-  # (the one of the forward alone, checked by _compare_fused too, has two more inputs before h0).
+  # (the forward alone's, checked by _compare_fused too, has two more inputs before h0).
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=16, cu_seqlens=cu)
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
