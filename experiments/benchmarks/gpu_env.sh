@@ -1,22 +1,30 @@
 # Source from the repository root on the GPU machine, after `../shared/tools/gpu-prep` copied the
 # wheels into ./.whl (carried with the working tree):  source experiments/benchmarks/gpu_env.sh
 # Installs gin-config, grain and fla into /tmp/site, plus the wheels in .whl/extra (tqdm,
-# tensorboardX, matplotlib and their dependencies) only for the packages the image lacks, so that
-# the image's own numpy, protobuf and friends stay in charge. Nothing is downloaded.
+# tensorboardX, matplotlib and their dependencies; put there by hand, `pip download`, for the
+# training job) only for the packages the image lacks, so that the image's own numpy, protobuf and
+# friends stay in charge. Nothing is downloaded. The kernel benchmarks need none of the extras: a
+# missing one is reported, not fatal.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+_extra() {  # installs .whl/extra/$1-*.whl if present; returns 1 if it is not
+  set -- .whl/extra/$1-*.whl
+  [ -e "$1" ] || return 1
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@"
+}
 for pkg in tqdm:tqdm tensorboardX:tensorboardx matplotlib:matplotlib; do
   mod=${pkg%%:*}; whl=${pkg##*:}
-  if ! python3 -c "import $mod" 2>/dev/null; then
-    if [ "$mod" = matplotlib ]; then
-      for dep in contourpy cycler fonttools kiwisolver pyparsing python_dateutil pillow; do
-        python3 -c "import ${dep/python_dateutil/dateutil}" 2>/dev/null && continue
-        [ "$dep" = fonttools ] && python3 -c "import fontTools" 2>/dev/null && continue
-        [ "$dep" = pillow ] && python3 -c "import PIL" 2>/dev/null && continue
-        python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/extra/${dep}-*.whl
-      done
-    fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/extra/${whl}-*.whl
+  python3 -c "import $mod" 2>/dev/null && continue
+  if [ "$mod" = matplotlib ]; then
+    for dep in contourpy cycler fonttools kiwisolver pyparsing python_dateutil pillow; do
+      python3 -c "import ${dep/python_dateutil/dateutil}" 2>/dev/null && continue
+      [ "$dep" = fonttools ] && python3 -c "import fontTools" 2>/dev/null && continue
+      [ "$dep" = pillow ] && python3 -c "import PIL" 2>/dev/null && continue
+      _extra "$dep" || echo "gpu_env: no wheel for $dep in .whl/extra (needed by matplotlib)"
+    done
   fi
+  _extra "$whl" || echo "gpu_env: $mod is not in the image and has no wheel in .whl/extra" \
+    "(the training job needs it; the kernel benchmarks do not)"
 done
+unset -f _extra
 export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-python3 -c "import gin, grain, tqdm, tensorboardX, matplotlib, jax; print('gpu_env: jax', jax.__version__, jax.devices())"
+python3 -c "import gin, grain, jax; print('gpu_env: jax', jax.__version__, jax.devices())"

@@ -1,0 +1,130 @@
+"""Where a KDA call's GPU time goes, kernel by kernel: k3jax Pallas (jax.profiler) and fla 0.6.0
+(torch.profiler), same inputs as kda_bench.
+
+kda_bench times whole calls, and each Pallas kernel alone on inputs prepared outside; this traces
+the whole call and sums the device time of every kernel it launches (XLA fusions included, such
+as the q/k L2 norm outside the Pallas kernels), averaged over the traced calls. One JSON line per
+(impl, mode, kernel), then one per (impl, mode) with the total and the number of kernels.
+
+Run (GPU): PYTHONPATH=. python experiments/benchmarks/kda_profile.py --shape 8,4096,16,128
+  [--impls pallas,fla] [--modes fwd,fwdbwd] [--iters 10]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import os
+import sys
+import tempfile
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import kda_bench as kb  # noqa: E402  (sets the allocator flag before jax starts)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+
+def _device_kernels(xplane_path):
+  """{kernel name: total ns} over the GPU stream lines of a jax.profiler trace."""
+  from jax.profiler import ProfileData
+  totals = collections.Counter()
+  lines_seen = []
+  for plane in ProfileData.from_file(xplane_path).planes:
+    if not plane.name.startswith("/device:GPU"):
+      continue
+    for line in plane.lines:
+      lines_seen.append(line.name)
+      if not line.name.startswith("Stream"):
+        continue
+      for ev in line.events:
+        totals[ev.name] += ev.duration_ns
+  if not totals:
+    raise RuntimeError(f"no GPU stream events in {xplane_path}; lines: {lines_seen}")
+  return totals
+
+
+def profile_pallas(B, T, H, D, modes, iters):
+  x = kb.make_inputs(B, T, H, D)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  args = [bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["graw"]), bf(x["beta"]),
+          jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"])]
+  fwd, fwdbwd = kb.jax_fns("pallas")
+  for mode in modes:
+    fn, a = (fwd, args) if mode == "fwd" else (fwdbwd, args + [bf(x["do"])])
+    kb.time_jax(fn, a, reps=5, batches=1)  # compile and warm the clocks
+    with tempfile.TemporaryDirectory() as d:
+      with jax.profiler.trace(d):
+        for _ in range(iters):
+          out = fn(*a)
+        jax.block_until_ready(out)
+      (path,) = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
+      totals = _device_kernels(path)
+    _emit_totals("pallas", mode, B, T, H, D, totals, iters)
+
+
+def profile_fla(B, T, H, D, modes, iters):
+  import torch
+  from fla.ops.kda import chunk_kda as fla_chunk_kda
+  x = kb.make_inputs(B, T, H, D)
+  tt = lambda a, dt=torch.bfloat16: torch.tensor(a, device="cuda").to(dt)
+  q, k, v, graw, beta = (tt(x[n]).requires_grad_(True) for n in ("q", "k", "v", "graw", "beta"))
+  a_log = tt(x["A_log"], torch.float32).requires_grad_(True)
+  dt = tt(x["dt_bias"], torch.float32).requires_grad_(True)
+  do = tt(x["do"])
+  kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt,
+            safe_gate=True, lower_bound=kb.LB)
+  calls = {"fwd": lambda: fla_chunk_kda(q, k, v, graw, beta, **kw)[0],
+           "fwdbwd": lambda: fla_chunk_kda(q, k, v, graw, beta, **kw)[0].backward(do)}
+  for mode in modes:
+    fn = calls[mode]
+    for _ in range(3):  # autotuning happens here
+      fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+      for _ in range(iters):
+        fn()
+      torch.cuda.synchronize()
+    totals = collections.Counter()
+    for ev in prof.events():
+      if str(getattr(ev, "device_type", "")).endswith("CUDA"):
+        us = getattr(ev, "device_time", None)
+        if us is None:
+          us = ev.cuda_time
+        totals[ev.name] += int(us * 1e3)
+    _emit_totals("fla", mode, B, T, H, D, totals, iters)
+
+
+def _emit_totals(impl, mode, B, T, H, D, totals, iters):
+  for name, ns in totals.most_common():
+    kb.emit(kind="kernel", impl=impl, mode=mode, B=B, T=T, H=H, D=D, kernel=name[:120],
+            ms=round(ns / iters / 1e6, 4))
+  kb.emit(kind="profile_total", impl=impl, mode=mode, B=B, T=T, H=H, D=D, kernels=len(totals),
+          ms=round(sum(totals.values()) / iters / 1e6, 4))
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shape", default="8,4096,16,128", help="B,T,H,D")
+  p.add_argument("--impls", default="pallas", help="comma list of pallas, fla")
+  p.add_argument("--modes", default="fwd,fwdbwd", help="comma list of fwd, fwdbwd")
+  p.add_argument("--iters", type=int, default=10)
+  a = p.parse_args()
+  shape = tuple(int(s) for s in a.shape.split(","))
+  if len(shape) != 4:
+    p.error(f"--shape must be B,T,H,D; got {a.shape!r}")
+  modes = a.modes.split(",")
+  for m in modes:
+    if m not in ("fwd", "fwdbwd"):
+      p.error(f"--modes: unknown mode {m!r} (allowed: fwd, fwdbwd)")
+  for impl in a.impls.split(","):
+    if impl == "pallas":
+      profile_pallas(*shape, modes, a.iters)
+    elif impl == "fla":
+      profile_fla(*shape, modes, a.iters)
+    else:
+      p.error(f"--impls: unknown impl {impl!r} (allowed: pallas, fla)")
+
+
+if __name__ == "__main__":
+  main()
