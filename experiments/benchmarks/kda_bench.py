@@ -2,7 +2,8 @@
 
 Same inputs for all (bf16 q, k, v, raw gate, beta; A_log = dt_bias = 0; bounded gate lower_bound -5;
 q/k L2-norm in the op). Prints one JSON line per measurement:
-- correctness at a small shape vs the fp32 `recurrent_kda` (RMS error ratio of o, final state, grads);
+- correctness at a small shape vs the fp32 `recurrent_kda` (RMS error ratio of o, final state,
+  grads; o_fwd / ht_fwd: those of the call without a gradient, whose kernels differ);
 - timings (ms per call; JAX: median over 5 batches of calls dispatched back to back, see `time_jax`;
   fla: triton's do_bench) of forward and forward+backward. The forward is the call without a
   gradient: for Pallas the kernels that store nothing for a backward (`ops._forward`), for fla the
@@ -14,9 +15,9 @@ q/k L2-norm in the op). Prints one JSON line per measurement:
 
 With --stages, each Pallas kernel is first timed alone over launch candidates and block sizes
 (`STAGE_LAUNCHES`, `INTRA_BK`, `GATE_BK`, `DENSE_BLOCKS`, the scans' V blocks; --sweep picks the
-kernels; `intra_fwd_alone` and `scan_out_fwd` are the kernels of the forward alone, whose scan
-forms the outputs) and the end-to-end timings use the fastest (`kernels.Tuning`); --tuning
-overrides fields;
+kernels; `gate_fwd_alone`, `intra_fwd_alone` and `scan_out_fwd` are the kernels of the forward
+alone, whose scan forms the outputs) and the end-to-end timings use the fastest
+(`kernels.Tuning`); --tuning overrides fields;
 --segments adds the segment-id path. Correctness runs with and without segment ids.
 
 Run: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/kda_bench.py
@@ -151,8 +152,10 @@ def correctness(B=2, T=1000, H=4, D=128, with_fla=True, tuning=None, segments=Fa
           for n, a in zip(names, args)]
   gr, (o_r, ht_r) = jax.jit(jax.grad(ref_loss, argnums=range(8), has_aux=True))(*args)
   gp, (o_p, ht_p) = jax.jit(jax.grad(pal_loss, argnums=range(8), has_aux=True))(*args)
+  # Without a gradient the kernels differ (nothing stored for a backward): o_fwd, ht_fwd.
+  _, (o_f, ht_f) = jax.jit(pal_loss)(*args)
   row = dict(kind="correctness", impl="pallas", B=B, T=T, H=H, D=D, segments=segments,
-             o=rr(o_p, o_r), ht=rr(ht_p, ht_r))
+             o=rr(o_p, o_r), ht=rr(ht_p, ht_r), o_fwd=rr(o_f, o_r), ht_fwd=rr(ht_f, ht_r))
   row.update({f"d{n}": rr(a, b) for n, a, b in zip(names, gp, gr)})
   row["finite"] = bool(all(np.isfinite(np.asarray(a, np.float32)).all() for a in gp))
   emit(**row)
@@ -252,19 +255,18 @@ SCAN_BV = [32, 64]
 SCAN_BV_NARROW = [16, 32, 64]  # few rows × heads: smaller V blocks give more programs
 
 
-STAGES = ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd", "intra_fwd_alone",
-          "scan_out_fwd", "scan_bwd", "dense_bwd", "intra_bwd")
+STAGES = ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd", "gate_fwd_alone",
+          "intra_fwd_alone", "scan_out_fwd", "scan_bwd", "dense_bwd", "intra_bwd")
 
 
 def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
-  """Times each kernel alone (bounded fused gate, bf16) over the launch candidates; returns the
+  """Times each kernel alone (bounded fused gate, q/k norm in gate_fwd, bf16) over the launch
+  candidates; returns the
   fastest `Tuning` (scans_only: sweep only the two sequential scans, keep `base` for the rest).
   Kernels not in `sweep` run once with `base` (default: `kernels.default_tuning`)."""
-  from pallas_kernels.kda import ops as kops
   x = make_inputs(B, T, H, D)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   q, k, v, graw, beta, do = (bf(x[n]) for n in ("q", "k", "v", "graw", "beta", "do"))
-  q, k = kops._l2norm(q), kops._l2norm(k)
   a_log, dt = jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"]).reshape(H, D)
   nt = T // 64
   seq = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None], (B, nt))
@@ -277,7 +279,8 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   def cfg_for(**over):
     return kk.KernelConfig(chunk=64, scale=D ** -0.5, mm_dtype=jnp.bfloat16, exact_diag=False,
                            gate="bounded", lower_bound=LB, interpret=False,
-                           state_dtype=jnp.bfloat16, tuning=kk.Tuning(**dict(best, **over)))
+                           state_dtype=jnp.bfloat16, qk_l2norm=True,
+                           tuning=kk.Tuning(**dict(best, **over)))
 
   def stage(name, fn, args, variants, keep_pick=True):
     """variants: list of Tuning overrides; keeps the fastest in `best` (unless not `keep_pick`: a
@@ -314,39 +317,49 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   keep = lambda name: launches(name) if not scans_only else [{}]
   gate_variants = [{"gate_fwd_launch": l, "gate_fwd_bk": bk}
                    for l in STAGE_LAUNCHES["gate_fwd"] for bk in GATE_BK if bk <= D]
-  G, qg, kb, kg = stage("gate_fwd", kk.gate_fwd, (q, k, graw, beta, a_log, dt),
-                        gate_variants if not scans_only else [{}])
-  X, P, M = stage("intra_fwd", kk.intra_fwd, (q, k, G, beta),
+  # q, k are raw: gate_fwd normalises them; in a training forward it also writes the normalised
+  # qn, kn, which the backward's kernels (run with qk_l2norm off) read.
+  G, qg, kb, kg, rq, rk, qn, kn = stage(
+      "gate_fwd", functools.partial(kk.gate_fwd, normalized=True), (q, k, graw, beta, a_log, dt),
+      gate_variants if not scans_only else [{}])
+  X, P, M = stage("intra_fwd", functools.partial(kk.intra_fwd, rq=rq, rk=rk), (q, k, G, beta),
                   blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
   W, U = stage("wy_fwd", kk.wy_fwd, (kb, v, beta, M), keep("wy_fwd"))
   vn, hs, ht = stage("scan_fwd", kk.scan_fwd, (kg, G, W, U, h0, seq, first, last),
                      scan_variants("scan_fwd", "bv_fwd"))
   stage("out_fwd", functools.partial(kk.out_fwd, out_dtype=v.dtype), (qg, hs, P, vn),
         keep("out_fwd"))
-  # The forward alone: intra_fwd without X (M in bf16), then the scan that forms the outputs and
-  # stores no residuals (it shares scan_fwd's launch and V block, which stay scan_fwd's pick).
-  P1, M1 = stage("intra_fwd_alone", functools.partial(kk.intra_fwd, residuals=False),
-                 (q, k, G, beta), [{}])
+  # The forward alone: gate_fwd without qn, kn (on the training forward's launch and K block),
+  # intra_fwd without X (M in bf16), then the scan that forms the outputs and stores no residuals
+  # (it shares scan_fwd's launch and V block, which stay scan_fwd's pick).
+  stage("gate_fwd_alone", kk.gate_fwd, (q, k, graw, beta, a_log, dt), [{}])
+  P1, M1 = stage("intra_fwd_alone",
+                 functools.partial(kk.intra_fwd, residuals=False, rq=rq, rk=rk), (q, k, G, beta),
+                 [{}])
   W1, U1 = kk.wy_fwd(cfg_for(), kb, v, beta, M1)
   stage("scan_out_fwd", functools.partial(kk.scan_out_fwd, out_dtype=v.dtype),
         (kg, G, W1, U1, qg, P1, h0, seq, first, last),
         scan_variants("scan_out_fwd", "bv_fwd", "scan_fwd_launch"), keep_pick=False)
+  cfg_bwd = lambda cfg: dataclasses.replace(cfg, qk_l2norm=False)
   dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd,
                       (qg, kg, G, W, P, do, jnp.zeros_like(h0), seq, first, last),
                       scan_variants("scan_bwd", "bv_bwd"))
   dP, dX, dq, dk, dG, dv, db = stage(
-      "dense_bwd", kk.dense_bwd, (q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do),
+      "dense_bwd", lambda cfg, *a: kk.dense_bwd(cfg_bwd(cfg), *a),
+      (qn, kn, v, beta, G, vn, M, X, hs, dhs, dvn, do),
       [{"dense_bwd_launch": l, "dense_bwd_bv": bv, "dense_bwd_bk": bk}
        for l in STAGE_LAUNCHES["dense_bwd"] for bv, bk in DENSE_BLOCKS if bv <= D and bk <= D]
       if not scans_only else [{}])
-  stage("intra_bwd", kk.intra_bwd, (q, k, graw, G, dP, dX, dq, dk, dG, a_log, dt),
+  stage("intra_bwd", lambda cfg, *a: kk.intra_bwd(cfg_bwd(cfg), *a),
+        (qn, kn, graw, G, dP, dX, dq, dk, dG, a_log, dt),
         blocked("intra_bwd", "intra_bwd_bk") if not scans_only else [{}])
   tuning = kk.Tuning(**best)
   row["best"] = {n: list(v) if isinstance(v, tuple) else v for n, v in best.items()}
   fwd_sum = lambda names: round(sum(min(row[n + "_ms"].values()) for n in names), 3)
   row["sum_best_train_fwd_ms"] = fwd_sum(("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd",
                                           "out_fwd"))
-  row["sum_best_fwd_ms"] = fwd_sum(("gate_fwd", "intra_fwd_alone", "wy_fwd", "scan_out_fwd"))
+  row["sum_best_fwd_ms"] = fwd_sum(("gate_fwd_alone", "intra_fwd_alone", "wy_fwd",
+                                    "scan_out_fwd"))
   row["sum_best_bwd_ms"] = round(sum(min(row[n + "_ms"].values()) for n in
                                      ("scan_bwd", "dense_bwd", "intra_bwd")), 3)
   emit(**row)

@@ -29,6 +29,15 @@ any gate. On the diagonal 16×16 tiles the key factor reaches e^{15·|g|max}; th
 bounded gates (|g| ≤ 5 ⇒ ≤ e^75). With `exact_diag=True` the diagonal tiles instead use exact
 pairwise differences e^{min(G_i - G_j, 0)} (16 rank-1 steps on the vector units), valid for any g ≤ 0.
 
+q/k L2 norm (`qk_l2norm`): gate_fwd reads the raw q, k, forms r = (Σ_d x² + 1e-6)^{-1/2} per token,
+writes the gated operands of the normalised rows and r_q, r_k ([B, T, H] fp32) and, for a
+backward, the normalised q, k; intra_fwd reads the raw q, k and scales its finished tiles,
+X_ij · r_k,i r_k,j and P_ij · r_q,i r_k,j (each tile is bilinear in its rows). An XLA norm before
+the kernels read and wrote q and k: 0.127 of 1.655 ms at (8, 4096, 16, 128); the norm in gate_fwd
+costs it about as much (row reductions; RESULTS.md run 7), the gain is the pass not made.
+The backward's kernels read q, k themselves and take the normalised ones (dense_bwd and
+intra_bwd refuse qk_l2norm).
+
 Kernels (grid: what one program does). Forward: gate_fwd (B, NT, H: the gate, G and the gated q /
 k), intra_fwd (B, NT, H: one chunk, its K columns in blocks of `Tuning.intra_fwd_bk`, a loop; the
 pair tiles and M), wy_fwd (B, NT, H), scan_fwd (B, H, V/bv: sequential over the chunks), out_fwd
@@ -52,6 +61,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
 BC = 16  # sub-tile rows: the smallest tensor-core dot
+L2NORM_EPS = 1e-6  # q/k L2 norm: x (Σ x² + eps)^{-1/2}, as k3jax.ops.kda.l2_normalize
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,12 +93,13 @@ class Tuning:
 
 
 def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
-  """Launch parameters and blocks measured best on an H200 (RESULTS.md, runs 4 to 6) for B·H =
+  """Launch parameters and blocks measured best on an H200 (RESULTS.md, runs 4 to 7) for B·H =
   rows_heads and head dims K, V.
 
   With few rows × heads the scans run on few programs: smaller V blocks (more programs) and a
-  3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do. gate_fwd runs
-  best on 8 warps over the whole K width, intra_fwd on one warp over 16-column K blocks, dense_bwd
+  3-stage software pipeline over the chunk loop pay; with many, 64-wide blocks do. gate_fwd (with
+  the q/k norm inside since run 7) runs best on 4 warps over 64-column K blocks after a first pass
+  for the norms, intra_fwd on one warp over 16-column K blocks, dense_bwd
   on 8 warps over 64 × 64 (V, K) blocks, intra_bwd on 2 warps per 64-column K block. (A head dim
   that the block does not divide, possible in the interpreter, is one block.)
   """
@@ -97,7 +108,7 @@ def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
   else:  # 16-wide forward blocks since run 6 (scan_fwd 0.87 vs 1.03 ms for 32 at 1 x 32768 x 16)
     bv_fwd, bv_bwd, scan_bwd = 16, 16, (4, 3)
   fit = lambda block, width: block if width % block == 0 else width
-  return Tuning(gate_fwd_launch=(8, 1), gate_fwd_bk=fit(128, K), intra_fwd_launch=(1, 1),
+  return Tuning(gate_fwd_launch=(4, 1), gate_fwd_bk=fit(64, K), intra_fwd_launch=(1, 1),
                 intra_fwd_bk=fit(16, K), scan_fwd_launch=(4, 3),
                 scan_bwd_launch=scan_bwd, dense_bwd_launch=(8, 1), dense_bwd_bv=fit(64, V),
                 dense_bwd_bk=fit(64, K), intra_bwd_launch=(2, 1), intra_bwd_bk=fit(64, K),
@@ -119,6 +130,8 @@ class KernelConfig:
     interpret: run in the Pallas interpreter.
     state_dtype: dtype of the saved per-chunk states and of W, U, Vn, kg.
     segmented: the kernels take `dseg` (documents within chunks, see the module docstring).
+    qk_l2norm: gate_fwd and intra_fwd take raw q, k and normalise them (module docstring);
+      dense_bwd and intra_bwd require False.
     tuning: launch parameters.
   """
   chunk: int
@@ -130,6 +143,7 @@ class KernelConfig:
   interpret: bool
   state_dtype: object = jnp.float32
   segmented: bool = False
+  qk_l2norm: bool = False
   tuning: Tuning = Tuning()
 
   @property
@@ -232,12 +246,19 @@ def _doc_masks(d):
 # ----------------------------------------------------------------------------------------------
 # Forward 1: the gate, its in-chunk cumsum G and the gated operands of the later kernels.
 # ----------------------------------------------------------------------------------------------
-def _gate_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
+def _gate_fwd_kernel(cfg: KernelConfig, normalized, q_ref, k_ref, g_ref, beta_ref, *refs):
   """G (fp32) and qg = s q e^G (the output's and the backward scan's queries), kb = β k e^G (W's
   keys), kg = k e^{b-G} (the state update's keys), K block by K block (`tuning.gate_fwd_bk`; every
   column is independent). Computed once here, they spare intra_fwd the gate and wy_fwd / out_fwd
-  reading G and q / k back (fla's split: a gate/cumsum kernel before the pair kernel)."""
-  gate_refs, dseg_ref, (G_ref, qg_ref, kb_ref, kg_ref) = _split_refs(cfg, refs)
+  reading G and q / k back (fla's split: a gate/cumsum kernel before the pair kernel).
+
+  With cfg.qk_l2norm, q and k come raw: they are L2-normalised first (over several K blocks a
+  first loop sums the squares), their reciprocal norms r_q, r_k are written (intra_fwd's scales)
+  and, with `normalized` (a training forward), the normalised q, k too (the backward's operands)."""
+  gate_refs, dseg_ref, out_refs = _split_refs(cfg, refs)
+  G_ref, qg_ref, kb_ref, kg_ref = out_refs[:4]
+  rq_ref, rk_ref = out_refs[4:6] if cfg.qk_l2norm else (None, None)
+  qn_ref, kn_ref = out_refs[6:8] if normalized else (None, None)
   h = pl.program_id(2)
   C, K = cfg.chunk, q_ref.shape[-1]
   bk = _block(K, cfg.tuning.gate_fwd_bk, "tuning.gate_fwd_bk")
@@ -245,14 +266,35 @@ def _gate_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
   if cfg.segmented:
     first_doc, last_doc, _ = _doc_masks(dseg_ref[...])
 
+  def sumsq(ik, acc):
+    cols = pl.ds(ik * bk, bk)
+    q, k = _f32(q_ref[:, cols]), _f32(k_ref[:, cols])
+    return acc[0] + jnp.sum(q * q, axis=1), acc[1] + jnp.sum(k * k, axis=1)
+
+  if cfg.qk_l2norm and K != bk:
+    sq, sk = lax.fori_loop(0, K // bk, sumsq, (jnp.zeros((C,), jnp.float32),) * 2)
+    norms = (lax.rsqrt(sq + L2NORM_EPS), lax.rsqrt(sk + L2NORM_EPS))
+    rq_ref[...], rk_ref[...] = norms
+
   def k_block(ik, carry):
     cols = pl.ds(ik * bk, bk)
     a_log, dt = _gate_refs(cfg, gate_refs, h, cols)
     G = lax.cumsum(_activate_gate(cfg, _f32(g_ref[:, cols]), a_log, dt), axis=0)
     G_ref[:, cols] = G
     eg = jnp.exp(G)
-    k = _f32(k_ref[:, cols])
-    qg = _f32(q_ref[:, cols]) * (cfg.scale * eg)
+    q, k = _f32(q_ref[:, cols]), _f32(k_ref[:, cols])
+    if cfg.qk_l2norm:
+      if K == bk:  # the whole rows are loaded: no first pass
+        rq = lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS)
+        rk = lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS)
+        rq_ref[...], rk_ref[...] = rq, rk
+      else:
+        rq, rk = norms
+      q, k = q * rq[:, None], k * rk[:, None]
+      if normalized:
+        qn_ref[:, cols] = q.astype(qn_ref.dtype)
+        kn_ref[:, cols] = k.astype(kn_ref.dtype)
+    qg = q * (cfg.scale * eg)
     kb = beta * k * eg
     kg = k * jnp.exp(_row(G, C - 1) - G)
     if cfg.segmented:  # later documents never see the incoming state; only the last document
@@ -264,7 +306,10 @@ def _gate_fwd_kernel(cfg: KernelConfig, q_ref, k_ref, g_ref, beta_ref, *refs):
     kg_ref[:, cols] = kg.astype(kg_ref.dtype)
     return carry
 
-  lax.fori_loop(0, K // bk, k_block, 0)
+  if K == bk:  # one block: straight-line code, no one-trip loop around it
+    k_block(0, 0)
+  else:
+    lax.fori_loop(0, K // bk, k_block, 0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -279,7 +324,11 @@ def _intra_fwd_kernel(cfg: KernelConfig, residuals, q_ref, k_ref, G_ref, beta_re
   (a loop), so only [BC, bk] operands are live at a time (fla's layout; on the H200, 3.65 → 1.07 ms
   at (8, 4096, 16, 128) against the whole K width, RESULTS.md run 4; 0.66 ms once the gate moved
   to gate_fwd, run 5).
+
+  With cfg.qk_l2norm, q and k are the raw ones and the tiles, sums over raw rows, are scaled at
+  the end by the reciprocal norms r_q, r_k (inputs: each tile is bilinear in its rows).
   """
+  rq_ref, rk_ref, refs = (refs[0], refs[1], refs[2:]) if cfg.qk_l2norm else (None, None, refs)
   dseg_ref, refs = (refs[0], refs[1:]) if cfg.segmented else (None, refs)
   X_ref, P_ref, M_ref = refs if residuals else (None,) + tuple(refs)
   ns, K = cfg.ns, q_ref.shape[-1]
@@ -320,6 +369,9 @@ def _intra_fwd_kernel(cfg: KernelConfig, residuals, q_ref, k_ref, G_ref, beta_re
   acc = lax.fori_loop(0, K // bk, k_block, tuple((zeros_tile, zeros_tile) for _ in pairs))
   acc = dict(zip(pairs, acc))
   ds = [dseg_ref[_sub(I)] if cfg.segmented else None for I in range(ns)]
+  if cfg.qk_l2norm:
+    rqs = [rq_ref[_sub(I)] for I in range(ns)]
+    rks = [rk_ref[_sub(I)] for I in range(ns)]
   ls = {}
   for I in range(ns):
     beta = _f32(beta_ref[_sub(I)])[:, None]
@@ -330,6 +382,9 @@ def _intra_fwd_kernel(cfg: KernelConfig, residuals, q_ref, k_ref, G_ref, beta_re
             ref[_sub(I), _sub(J)] = zeros_tile.astype(ref.dtype)
         continue
       x, p = acc[(I, J)]
+      if cfg.qk_l2norm:
+        x = x * (rks[I][:, None] * rks[J][None, :])
+        p = p * (rqs[I][:, None] * rks[J][None, :])
       if cfg.segmented:
         same = ds[I][:, None] == ds[J][None, :]
         x = jnp.where(same, x, 0.0)
@@ -659,15 +714,17 @@ def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, dP_ref, dX_ref, dq
 
 def _gate_bwd_kernel(cfg: KernelConfig, g_ref, dG_ref, *refs):
   """dg = reverse cumsum of dG within the chunk (G is the inclusive cumsum of the log gate), then
-  through the fused gate to its input, with the per-token A_log gradient terms."""
+  through the fused gate to its input (written in the input's dtype), with the per-token A_log
+  gradient terms and the chunk's column sums of dg in fp32 (dt_bias's gradient: its sum over
+  tokens is taken here, so no fp32 dg is written and read back for it)."""
   ng = 0 if cfg.gate == "none" else 2
   gate_refs, out_refs = refs[:ng], refs[ng:]
   dG = dG_ref[...]
   dg = jnp.sum(dG, axis=0, keepdims=True) - lax.cumsum(dG, axis=0) + dG
   if cfg.gate == "none":
-    out_refs[0][...] = dg
+    out_refs[0][...] = dg.astype(out_refs[0].dtype)
     return
-  dg_ref, da_ref = out_refs
+  dg_ref, da_ref, ddt_ref = out_refs
   a_log, dt = _gate_refs(cfg, gate_refs, pl.program_id(2), slice(None))
   ea = jnp.exp(a_log)
   u = _f32(g_ref[...]) + dt
@@ -675,13 +732,15 @@ def _gate_bwd_kernel(cfg: KernelConfig, g_ref, dG_ref, *refs):
     z = ea * u
     sg = jax.nn.sigmoid(z)
     dz = dg * (cfg.lower_bound * sg * (1.0 - sg))
-    dg_ref[...] = dz * ea
+    dx = dz * ea
     # z = -inf on padding (g = 0 there): its gradient factor is 0, keep 0·inf out.
     da_ref[...] = jnp.sum(jnp.where(dz != 0.0, dz * z, 0.0), axis=1)
   else:
     gval = -ea * jax.nn.softplus(u)
-    dg_ref[...] = dg * (-ea) * jax.nn.sigmoid(u)
+    dx = dg * (-ea) * jax.nn.sigmoid(u)
     da_ref[...] = jnp.sum(jnp.where(dg != 0.0, dg * gval, 0.0), axis=1)
+  dg_ref[...] = dx.astype(dg_ref.dtype)
+  ddt_ref[...] = jnp.sum(dx, axis=0)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -719,9 +778,13 @@ def _check_seg(cfg, dseg):
                      f"dseg={'given' if dseg is not None else None}")
 
 
-def gate_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
-  """Returns G [B,T,H,K] fp32 and qg, kb, kg [B,T,H,K] in cfg.state_dtype."""
+def gate_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None, normalized=False):
+  """Returns G [B,T,H,K] fp32 and qg, kb, kg [B,T,H,K] in cfg.state_dtype; with cfg.qk_l2norm
+  (q, k raw) also r_q, r_k [B,T,H] fp32, their reciprocal L2 norms, and with `normalized` the
+  normalised q, k [B,T,H,K] in q.dtype."""
   _check_seg(cfg, dseg)
+  if normalized and not cfg.qk_l2norm:
+    raise ValueError("normalized=True needs cfg.qk_l2norm (the kernel normalises q and k)")
   B, T, H, K = q.shape
   C = cfg.chunk
   nt = T // C
@@ -735,26 +798,48 @@ def gate_fwd(cfg, q, k, g, beta, a_log=None, dt_bias=None, dseg=None):
     in_specs.append(_seg_spec(C))
     args.append(dseg)
   tok = lambda dtype: jax.ShapeDtypeStruct((B, T, H, K), dtype)
+  out_specs = [_tok_spec(C, K)] * 4
+  out_shape = [tok(f32)] + [tok(cfg.state_dtype)] * 3
+  if cfg.qk_l2norm:
+    out_specs += [_vec_spec(C)] * 2
+    out_shape += [jax.ShapeDtypeStruct((B, T, H), f32)] * 2
+  if normalized:
+    out_specs += [_tok_spec(C, K)] * 2
+    out_shape += [tok(q.dtype)] * 2
   return pl.pallas_call(
-      functools.partial(_gate_fwd_kernel, cfg),
+      functools.partial(_gate_fwd_kernel, cfg, normalized),
       grid=(B, nt, H),
       in_specs=in_specs,
-      out_specs=[_tok_spec(C, K)] * 4,
-      out_shape=[tok(f32)] + [tok(cfg.state_dtype)] * 3,
+      out_specs=out_specs,
+      out_shape=out_shape,
       interpret=cfg.interpret, name="kda_gate_fwd", **_params(cfg, cfg.tuning.gate_fwd_launch),
   )(*args)
 
 
-def intra_fwd(cfg, q, k, G, beta, dseg=None, residuals=True):
+def _require_normalized(cfg, name):
+  if cfg.qk_l2norm:
+    raise ValueError(f"{name} reads q and k themselves and takes them normalised: cfg.qk_l2norm "
+                     "must be False (gate_fwd writes them for a backward)")
+
+
+def intra_fwd(cfg, q, k, G, beta, dseg=None, residuals=True, rq=None, rk=None):
   """Returns X [B,NT,H,C,C] fp32 (only with `residuals`), P [B,NT,H,C,C] in cfg.mm_dtype (its
   users read it as a dot operand of that dtype) and M = (I + L)^{-1} [B,NT,H,C,C] (fp32 with
-  `residuals`, for the backward; else cfg.mm_dtype)."""
+  `residuals`, for the backward; else cfg.mm_dtype). With cfg.qk_l2norm, q and k are the raw ones
+  and rq, rk [B,T,H] fp32 their reciprocal L2 norms (from gate_fwd)."""
   _check_seg(cfg, dseg)
+  if cfg.qk_l2norm != (rq is not None and rk is not None):
+    raise ValueError("rq and rk must be given exactly when cfg.qk_l2norm; "
+                     f"qk_l2norm={cfg.qk_l2norm}, rq={'given' if rq is not None else None}, "
+                     f"rk={'given' if rk is not None else None}")
   B, T, H, K = q.shape
   C = cfg.chunk
   nt = T // C
   in_specs = [_tok_spec(C, K), _tok_spec(C, K), _tok_spec(C, K), _vec_spec(C)]
   args = [q, k, G, beta]
+  if cfg.qk_l2norm:
+    in_specs += [_vec_spec(C)] * 2
+    args += [rq, rk]
   if cfg.segmented:
     in_specs.append(_seg_spec(C))
     args.append(dseg)
@@ -876,6 +961,7 @@ def scan_bwd(cfg, qg, kg, G, W, P, do, dht, seq, first, last, dseg=None):
 
 def dense_bwd(cfg, q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do, dseg=None):
   """Returns dP, dX [B,NT,H,C,C]; partial dq, dk, dG [B,T,H,K] fp32; dv [B,T,H,V]; dbeta [B,T,H]."""
+  _require_normalized(cfg, "dense_bwd")
   _check_seg(cfg, dseg)
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -906,9 +992,11 @@ def dense_bwd(cfg, q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do, dseg=None):
 def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
   """Pair terms (`_intra_bwd_kernel`) then the gate's backward (`_gate_bwd_kernel`).
 
-  Returns dq, dk [B,T,H,K] (input dtype), dg [B,T,H,K] fp32 (w.r.t. the gate input) and, for a
-  fused gate, the per-token A_log gradient terms [B,T,H] fp32. dP and dX come masked (causal,
-  within documents) from `dense_bwd`."""
+  Returns dq, dk [B,T,H,K] (input dtype), dg [B,T,H,K] in g.dtype (w.r.t. the gate input) and,
+  for a fused gate, the per-token A_log gradient terms [B,T,H] fp32 and the per-chunk sums of dg
+  over its tokens [B,NT,H,K] fp32 (dt_bias's gradient summed over B and NT). dP and dX come
+  masked (causal, within documents) from `dense_bwd`."""
+  _require_normalized(cfg, "intra_bwd")
   B, T, H, K = q.shape
   C, ns = cfg.chunk, cfg.ns
   nt = T // C
@@ -929,12 +1017,12 @@ def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
   in_specs = [_tok_spec(C, K)] * 2
   args = [g, dG]
   out_specs = [_tok_spec(C, K)]
-  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), f32)]
+  out_shape = [jax.ShapeDtypeStruct((B, T, H, K), g.dtype)]
   if cfg.gate != "none":
     in_specs += _gate_specs(H, K)
     args += [a_log.astype(f32), dt_bias.astype(f32)]
-    out_specs.append(_vec_spec(C))
-    out_shape.append(jax.ShapeDtypeStruct((B, T, H), f32))
+    out_specs += [_vec_spec(C), pl.BlockSpec((None, None, None, K), lambda b, c, h: (b, c, h, 0))]
+    out_shape += [jax.ShapeDtypeStruct((B, T, H), f32), jax.ShapeDtypeStruct((B, nt, H, K), f32)]
   outs = pl.pallas_call(
       functools.partial(_gate_bwd_kernel, cfg),
       grid=(B, nt, H),

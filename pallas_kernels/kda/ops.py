@@ -9,6 +9,10 @@ states costs T/C·H·K·V elements but spares the backward a second sequential s
 stage with the least parallelism. Without a gradient (`_forward` with residuals=False) none of
 this is written beyond what the forward itself reads back.
 
+q/k L2 norm (`use_qk_l2norm`): inside gate_fwd (and intra_fwd's tiles, see `kernels.py`), not an
+XLA pass before the kernels; a training forward's gate_fwd also writes the normalised q, k (the
+backward's kernels read them) and keeps the norms, with which XLA forms the norm's gradient.
+
 Packing: `cu_seqlens` aligns each sequence to the chunk grid (its own initial / final state);
 `segment_ids` keeps the tokens where they are and resets the state inside chunks (document masks in
 the kernels, see `kernels.py`).
@@ -24,6 +28,7 @@ Gate policy (the diagonal 16×16 sub-tiles are the only place where a gate bound
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -36,11 +41,6 @@ from pallas_kernels.kda import kernels as kk
 # A factored diagonal tile multiplies e^{G_i - r} by e^{r - G_j}, r the tile's first row: the second
 # factor reaches e^{15·|g|max}. With |g| <= 5 that is e^75, inside fp32/bf16 range (max ≈ e^88.7).
 SAFE_GATE_BOUND = 5.0
-
-
-def _l2norm(x):
-  xf = x.astype(jnp.float32)
-  return (xf * lax.rsqrt(jnp.sum(xf * xf, axis=-1, keepdims=True) + 1e-6)).astype(x.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -61,38 +61,57 @@ def _forward(cfg, residuals, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, l
   taken), intra_fwd does not write X and writes M in the dots' dtype, the scan forms the outputs
   itself instead of storing Vn and the per-chunk states for out_fwd (RESULTS.md, run 6: 0.41 vs
   0.65 ms for scan + out_fwd at (8, 4096, 16, 128))."""
-  G, qg, kb, kg = kk.gate_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg)
+  norm = cfg.qk_l2norm
+  outs = kk.gate_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg, normalized=residuals and norm)
+  G, qg, kb, kg = outs[:4]
+  rq, rk = outs[4:6] if norm else (None, None)
   if residuals:
-    X, P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg)
+    X, P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg, rq=rq, rk=rk)
   else:
-    P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg, residuals=False)
+    P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg, residuals=False, rq=rq, rk=rk)
   W, U = kk.wy_fwd(cfg, kb, v, beta, M)
   if not residuals:
     return kk.scan_out_fwd(cfg, kg, G, W, U, qg, P, h0, seq, first, last, dseg=dseg,
                            out_dtype=v.dtype)
   vn, hs, ht = kk.scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=dseg)
   o = kk.out_fwd(cfg, qg, hs, P, vn, v.dtype)
-  res = (q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first, last, dseg)
+  # The backward's kernels read the normalised q, k; the norm's own gradient the raw ones.
+  qn, kn = outs[6:8] if norm else (q, k)
+  res = (q, k, qn, kn, rq, rk, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq,
+         first, last, dseg)
   return (o, ht), res
+
+
+def _l2norm_bwd(x, r, dxn):
+  """Gradient through xn = x·r, r = (Σ x² + eps)^{-1/2}: r (dxn - xn <xn, dxn>), in x.dtype.
+  x [..., K] raw, r [...] fp32, dxn [..., K]."""
+  r = r[..., None]
+  xn = x.astype(jnp.float32) * r
+  dxn = dxn.astype(jnp.float32)
+  return (r * (dxn - xn * jnp.sum(xn * dxn, axis=-1, keepdims=True))).astype(x.dtype)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _core_bwd(cfg, res, cts):
-  q, k, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first, last, dseg = res
+  (q, k, qn, kn, rq, rk, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first,
+   last, dseg) = res
+  norm = cfg.qk_l2norm
+  cfg = dataclasses.replace(cfg, qk_l2norm=False)  # the backward's kernels read qn, kn
   do, dht = cts
   dhs, dvn, dh0 = kk.scan_bwd(cfg, qg, kg, G, W, P, do, dht.astype(jnp.float32), seq, first, last,
                               dseg=dseg)
-  dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, q, k, v, beta, G, vn, M, X, hs, dhs, dvn,
+  dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, qn, kn, v, beta, G, vn, M, X, hs, dhs, dvn,
                                                   do, dseg=dseg)
-  outs = kk.intra_bwd(cfg, q, k, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias)
+  outs = kk.intra_bwd(cfg, qn, kn, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias)
   dq, dk, dg = outs[:3]
+  if norm:
+    dq, dk = _l2norm_bwd(q, rq, dq), _l2norm_bwd(k, rk, dk)
   if cfg.gate == "none":
     da, ddt = None, None
   else:
     da = jnp.sum(outs[3], axis=(0, 1)).astype(a_log.dtype)
-    ddt = jnp.sum(dg, axis=(0, 1)).astype(dt_bias.dtype)
-  return (dq, dk, dv, dg.astype(g.dtype), dbeta.astype(beta.dtype), dh0, da, ddt, None, None,
-          None, None)
+    ddt = jnp.sum(outs[4], axis=(0, 1)).astype(dt_bias.dtype)  # per-chunk sums from gate_bwd
+  return (dq, dk, dv, dg, dbeta.astype(beta.dtype), dh0, da, ddt, None, None, None, None)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -142,7 +161,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     scale: query scale, default K**-0.5.
     initial_state: [N, H, K, V] fp32 (N = B, or the number of sequences with `cu_seqlens`).
     output_final_state: also return the state after the last token of each sequence.
-    use_qk_l2norm: L2-normalise q and k over K first (fp32, eps 1e-6 inside the square root).
+    use_qk_l2norm: L2-normalise q and k over K first (fp32, eps 1e-6 inside the square root;
+      inside the kernels, see the module docstring).
     cu_seqlens: [N + 1] int32 offsets of packed sequences (B must be 1).
     segment_ids: [B, T] int, 0 = padding, 1, 2, ... documents: the state resets when the id
       differs from that of the previous non-padding token; `initial_state` applies to the first
@@ -215,8 +235,6 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
   if scale is None:
     scale = K ** -0.5
-  if use_qk_l2norm:
-    q, k = _l2norm(q), _l2norm(k)
   # Padding tokens must be the identity on the state: k = v = beta = 0 and a log decay of exactly 0
   # (raw gate input -inf for the fused gates, whose activation maps it to 0).
   g_pad = 0.0 if gate == "none" else -jnp.inf
@@ -274,7 +292,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       mm_dtype=jnp.bfloat16 if low_precision else jnp.float32, gate=gate,
       lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
       interpret=bool(interpret), state_dtype=jnp.bfloat16 if low_precision else jnp.float32,
-      segmented=dseg is not None,
+      segmented=dseg is not None, qk_l2norm=bool(use_qk_l2norm),
       tuning=kk.default_tuning(B * H, K, V) if tuning is None else tuning)
   if dseg is not None:
     # Documents numbered within each chunk relative to the token before it, so that 0 is the

@@ -32,22 +32,24 @@ def _loss(o, ht, d):
 
 
 def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=None,
-                   segment_ids=None, tuning=None):
-  """Loss/grads of the kernel with the fused gate against the recurrence on kda_gate(...).
+                   segment_ids=None, tuning=None, qk_l2norm=True):
+  """Loss/grads of the kernel with the fused gate against the recurrence on kda_gate(...); q and k
+  L2-normalised inside the kernels (`qk_l2norm`) or not at all.
 
   With segment_ids, the kernel runs under jit with the ids traced."""
   names = ("q", "k", "v", "x", "beta", "h0", "A_log", "dt_bias")
+  norm = l2_normalize if qk_l2norm else (lambda x: x)
 
   def ref(q, k, v, x, beta, h0, a_log, dt, seg):
     g = kda_gate(x, a_log, dt, lower_bound=lower_bound)
-    o, ht = recurrent_kda(l2_normalize(q), l2_normalize(k), v, g, beta, initial_state=h0,
+    o, ht = recurrent_kda(norm(q), norm(k), v, g, beta, initial_state=h0,
                           output_final_state=True, cu_seqlens=cu_seqlens, segment_ids=seg)
     return _loss(o, ht, d), (o, ht)
 
   def pal(q, k, v, x, beta, h0, a_log, dt, seg):
     c = lambda t: t.astype(dtype)
     o, ht = chunk_kda(c(q), c(k), c(v), c(x), c(beta), initial_state=h0, output_final_state=True,
-                      use_qk_l2norm=True, cu_seqlens=cu_seqlens, segment_ids=seg,
+                      use_qk_l2norm=qk_l2norm, cu_seqlens=cu_seqlens, segment_ids=seg,
                       chunk_size=chunk_size, A_log=a_log, dt_bias=dt, lower_bound=lower_bound,
                       tuning=tuning)
     return _loss(o, ht, d), (o, ht)
@@ -71,10 +73,13 @@ def _compare_fused(d, *, lower_bound, chunk_size, dtype=jnp.float32, cu_seqlens=
   return errs  # error_ratio has failed on any NaN/inf in o, ht or a gradient
 
 
-def test_fp32_fused_bounded_gate_all_grads():
+@pytest.mark.parametrize("qk_l2norm", [True, False])
+def test_fp32_fused_bounded_gate_all_grads(qk_l2norm):
   # T = 50 is not a multiple of the chunk (32); two sub-tiles per chunk exercise the inverse merge.
   d = _inputs(B=2, T=50, H=2, K=32, V=16)
-  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=32)
+  if not qk_l2norm:  # unit-size rows, so that the delta rule stays contractive
+    d["q"], d["k"] = d["q"] / math.sqrt(32), d["k"] / math.sqrt(32)
+  errs = _compare_fused(d, lower_bound=-5.0, chunk_size=32, qk_l2norm=qk_l2norm)
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
