@@ -206,9 +206,10 @@ def bench_jax(impl, B, T, H, D, modes, tuning=None, segments=False):
   emit(**row)
 
 
-def bench_fla(B, T, H, D, modes):
+def fla_calls(B, T, H, D):
+  """fla's forward and forward+backward on `make_inputs` (bf16; the Pallas path's options: q/k
+  L2-norm, gate in the kernel, safe bounded gate): (fwd() -> o, fwdbwd() -> None)."""
   import torch
-  from triton.testing import do_bench
   from fla.ops.kda import chunk_kda as fla_chunk_kda
   x = make_inputs(B, T, H, D)
   tt = lambda a, dt=torch.bfloat16: torch.tensor(a, device="cuda").to(dt)
@@ -220,8 +221,15 @@ def bench_fla(B, T, H, D, modes):
             safe_gate=True, lower_bound=LB)
   fwd = lambda: fla_chunk_kda(q, k, v, graw, beta, **kw)[0]
 
-  def fb():
+  def fwdbwd():
     fwd().backward(do)
+  return fwd, fwdbwd
+
+
+def bench_fla(B, T, H, D, modes):
+  import torch
+  from triton.testing import do_bench
+  fwd, fb = fla_calls(B, T, H, D)
   row = dict(kind="time", impl="fla", B=B, T=T, H=H, D=D)
   fl = flops_fwd(B, T, H, D)
   if "fwd" in modes:
@@ -233,7 +241,7 @@ def bench_fla(B, T, H, D, modes):
     row["fwdbwd_tflops"] = round(3 * fl / row["fwdbwd_ms"] / 1e9, 1)
     row["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
   emit(**row)
-  del q, k, v, graw, beta
+  del fwd, fb  # the closures hold the inputs
   torch.cuda.empty_cache()
 
 

@@ -65,17 +65,7 @@ def profile_pallas(B, T, H, D, modes, iters):
 
 def profile_fla(B, T, H, D, modes, iters):
   import torch
-  from fla.ops.kda import chunk_kda as fla_chunk_kda
-  x = kb.make_inputs(B, T, H, D)
-  tt = lambda a, dt=torch.bfloat16: torch.tensor(a, device="cuda").to(dt)
-  q, k, v, graw, beta = (tt(x[n]).requires_grad_(True) for n in ("q", "k", "v", "graw", "beta"))
-  a_log = tt(x["A_log"], torch.float32).requires_grad_(True)
-  dt = tt(x["dt_bias"], torch.float32).requires_grad_(True)
-  do = tt(x["do"])
-  kw = dict(use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True, A_log=a_log, dt_bias=dt,
-            safe_gate=True, lower_bound=kb.LB)
-  calls = {"fwd": lambda: fla_chunk_kda(q, k, v, graw, beta, **kw)[0],
-           "fwdbwd": lambda: fla_chunk_kda(q, k, v, graw, beta, **kw)[0].backward(do)}
+  calls = dict(zip(("fwd", "fwdbwd"), kb.fla_calls(B, T, H, D)))
   for mode in modes:
     fn = calls[mode]
     for _ in range(3):  # autotuning happens here
