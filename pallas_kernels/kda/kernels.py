@@ -32,9 +32,9 @@ pairwise differences e^{min(G_i - G_j, 0)} (16 rank-1 steps on the vector units)
 q/k L2 norm (`qk_l2norm`): gate_fwd reads the raw q, k, forms r = (Σ_d x² + 1e-6)^{-1/2} per token,
 writes the gated operands of the normalised rows and r_q, r_k ([B, T, H] fp32) and, for a
 backward, the normalised q, k; intra_fwd reads the raw q, k and scales its finished tiles,
-X_ij · r_k,i r_k,j and P_ij · r_q,i r_k,j (each tile is bilinear in its rows). An XLA norm before
-the kernels read and wrote q and k: 0.127 of 1.655 ms at (8, 4096, 16, 128); the norm in gate_fwd
-costs it about as much (row reductions; RESULTS.md run 7), the gain is the pass not made.
+X_ij · r_k,i r_k,j and P_ij · r_q,i r_k,j (each tile is bilinear in its rows). What this saves is
+the XLA pass that normalised q and k before the kernels (a read and a write of both: 0.127 of
+1.655 ms at (8, 4096, 16, 128)); the row sums cost gate_fwd ~0.1 ms of it (RESULTS.md run 7).
 The backward's kernels read q, k themselves and take the normalised ones (dense_bwd and
 intra_bwd refuse qk_l2norm).
 
