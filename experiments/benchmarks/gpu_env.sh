@@ -27,4 +27,14 @@ for pkg in tqdm:tqdm tensorboardX:tensorboardx matplotlib:matplotlib; do
 done
 unset -f _extra
 export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+# fla autotunes each kernel for minutes per new shape on a fresh machine. fla 0.6.0 asks Triton
+# (>= 3.4) to keep the results on disk: keep Triton's cache in the tree (.triton_cache, ignored by
+# git) so that `save_autotune` can return them through $OUT and a later call can carry them back
+# (carry ".triton_cache" after unpacking triton_autotune.tar there). Only the autotune choices
+# travel, not compiled kernels: Triton recompiles the chosen configs.
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
+save_autotune() {
+  (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar -cf "$OUT/triton_autotune.tar" -T - \
+    && echo "gpu_env: saved $(tar -tf "$OUT/triton_autotune.tar" | wc -l) autotune results to \$OUT/triton_autotune.tar")
+}
 python3 -c "import gin, grain, jax; print('gpu_env: jax', jax.__version__, jax.devices())"
