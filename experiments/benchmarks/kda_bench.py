@@ -269,9 +269,9 @@ STAGES = ("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd", "out_fwd", "gate_fwd_al
 
 def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   """Times each kernel alone (bounded fused gate, q/k norm in gate_fwd, bf16) over the launch
-  candidates; returns the
-  fastest `Tuning` (scans_only: sweep only the two sequential scans, keep `base` for the rest).
-  Kernels not in `sweep` run once with `base` (default: `kernels.default_tuning`)."""
+  candidates; returns the fastest `Tuning` (scans_only: sweep only the two sequential scans, keep
+  `base` for the rest). Kernels not in `sweep` run once with `base` (default:
+  `kernels.default_tuning`)."""
   x = make_inputs(B, T, H, D)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   q, k, v, graw, beta, do = (bf(x[n]) for n in ("q", "k", "v", "graw", "beta", "do"))
