@@ -266,14 +266,16 @@ def _gate_fwd_kernel(cfg: KernelConfig, normalized, q_ref, k_ref, g_ref, beta_re
   if cfg.segmented:
     first_doc, last_doc, _ = _doc_masks(dseg_ref[...])
 
+  row_sumsq = lambda x: jnp.sum(x * x, axis=1)
+  rstd = lambda ssq: lax.rsqrt(ssq + L2NORM_EPS)
+
   def sumsq(ik, acc):
     cols = pl.ds(ik * bk, bk)
-    q, k = _f32(q_ref[:, cols]), _f32(k_ref[:, cols])
-    return acc[0] + jnp.sum(q * q, axis=1), acc[1] + jnp.sum(k * k, axis=1)
+    return acc[0] + row_sumsq(_f32(q_ref[:, cols])), acc[1] + row_sumsq(_f32(k_ref[:, cols]))
 
   if cfg.qk_l2norm and K != bk:
     sq, sk = lax.fori_loop(0, K // bk, sumsq, (jnp.zeros((C,), jnp.float32),) * 2)
-    norms = (lax.rsqrt(sq + L2NORM_EPS), lax.rsqrt(sk + L2NORM_EPS))
+    norms = (rstd(sq), rstd(sk))
     rq_ref[...], rk_ref[...] = norms
 
   def k_block(ik, carry):
@@ -285,8 +287,7 @@ def _gate_fwd_kernel(cfg: KernelConfig, normalized, q_ref, k_ref, g_ref, beta_re
     q, k = _f32(q_ref[:, cols]), _f32(k_ref[:, cols])
     if cfg.qk_l2norm:
       if K == bk:  # the whole rows are loaded: no first pass
-        rq = lax.rsqrt(jnp.sum(q * q, axis=1) + L2NORM_EPS)
-        rk = lax.rsqrt(jnp.sum(k * k, axis=1) + L2NORM_EPS)
+        rq, rk = rstd(row_sumsq(q)), rstd(row_sumsq(k))
         rq_ref[...], rk_ref[...] = rq, rk
       else:
         rq, rk = norms
