@@ -63,6 +63,16 @@ def make_inputs(B, T, H, D, seed=0):
               A_log=np.zeros((H,), np.float32), dt_bias=np.zeros((H * D,), np.float32))
 
 
+def jax_args(B, T, H, D):
+  """`make_inputs` as the arguments of `jax_fns`' fwd and fwdbwd (bf16 tensors, fp32 gate
+  parameters): (fwd_args, fwdbwd_args)."""
+  x = make_inputs(B, T, H, D)
+  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
+  args = [bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["graw"]), bf(x["beta"]),
+          jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"])]
+  return args, args + [bf(x["do"])]
+
+
 def jax_fns(impl, tuning=None, segment_ids=None):
   """fwd(q,k,v,graw,beta,A_log,dt_bias) -> o, for impl in {'pallas', 'xla'}."""
   if impl == "pallas":
@@ -181,10 +191,7 @@ def correctness(B=2, T=1000, H=4, D=128, with_fla=True, tuning=None, segments=Fa
 
 
 def bench_jax(impl, B, T, H, D, modes, tuning=None, segments=False):
-  x = make_inputs(B, T, H, D)
-  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-  args = [bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["graw"]), bf(x["beta"]),
-          jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"])]
+  args, bwd_args = jax_args(B, T, H, D)
   seg = random_segments(B, T, 1000) if segments else None
   fwd, fwdbwd = jax_fns(impl, tuning, seg)
   row = dict(kind="time", impl=impl, B=B, T=T, H=H, D=D, segments=segments)
@@ -194,11 +201,11 @@ def bench_jax(impl, B, T, H, D, modes, tuning=None, segments=False):
       row["fwd_ms"] = round(time_jax(fwd, args), 3)
       row["fwd_tflops"] = round(fl / row["fwd_ms"] / 1e9, 1)
     if "fwdbwd" in modes:
-      row["fwdbwd_ms"] = round(time_jax(fwdbwd, args + [bf(x["do"])]), 3)
+      row["fwdbwd_ms"] = round(time_jax(fwdbwd, bwd_args), 3)
       row["fwdbwd_tflops"] = round(3 * fl / row["fwdbwd_ms"] / 1e9, 1)
       # Inputs + outputs + XLA's temporaries of the compiled step (what torch's
       # max_memory_allocated counts for fla: the process peak would carry earlier shapes).
-      ma = fwdbwd.lower(*args, bf(x["do"])).compile().memory_analysis()
+      ma = fwdbwd.lower(*bwd_args).compile().memory_analysis()
       row["peak_gib"] = round((ma.argument_size_in_bytes + ma.output_size_in_bytes
                                + ma.temp_size_in_bytes) / 2**30, 2)
   except Exception as e:  # record and go on (e.g. out of memory for XLA at long T)

@@ -22,7 +22,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kda_bench as kb  # noqa: E402  (sets the allocator flag before jax starts)
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 
 
 def _device_kernels(xplane_path):
@@ -45,13 +44,10 @@ def _device_kernels(xplane_path):
 
 
 def profile_pallas(B, T, H, D, modes, iters):
-  x = kb.make_inputs(B, T, H, D)
-  bf = lambda a: jnp.asarray(a, jnp.bfloat16)
-  args = [bf(x["q"]), bf(x["k"]), bf(x["v"]), bf(x["graw"]), bf(x["beta"]),
-          jnp.asarray(x["A_log"]), jnp.asarray(x["dt_bias"])]
+  args, bwd_args = kb.jax_args(B, T, H, D)
   fwd, fwdbwd = kb.jax_fns("pallas")
   for mode in modes:
-    fn, a = (fwd, args) if mode == "fwd" else (fwdbwd, args + [bf(x["do"])])
+    fn, a = (fwd, args) if mode == "fwd" else (fwdbwd, bwd_args)
     kb.time_jax(fn, a, reps=5, batches=1)  # compile and warm the clocks
     with tempfile.TemporaryDirectory() as d:
       with jax.profiler.trace(d):
