@@ -34,7 +34,8 @@ export PYTHONPATH=/tmp/site:.${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 XLA_
 # travel, not compiled kernels: Triton recompiles the chosen configs.
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}
 save_autotune() {
-  (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar -cf "$OUT/triton_autotune.tar" -T - \
-    && echo "gpu_env: saved $(tar -tf "$OUT/triton_autotune.tar" | wc -l) autotune results to \$OUT/triton_autotune.tar")
+  local tarball="$OUT/triton_autotune.tar"
+  (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar -cf "$tarball" -T - \
+    && echo "gpu_env: $(tar -tf "$tarball" | wc -l) autotune results in \$OUT/triton_autotune.tar")
 }
 python3 -c "import gin, grain, jax; print('gpu_env: jax', jax.__version__, jax.devices())"
