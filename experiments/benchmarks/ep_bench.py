@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
-import glob
 import json
 import os
 import re
@@ -51,6 +50,9 @@ import numpy as np  # noqa: E402
 from k3jax import sharding as sharding_lib  # noqa: E402
 from k3jax import train as train_lib  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import trace_times  # noqa: E402  (experiments/benchmarks is not a package)
 
 # HLO op names of collectives, as they appear in profiles ('all-to-all.3', 'all-reduce-start.1').
 _COLLECTIVES = ("all-to-all", "ragged-all-to-all", "all-reduce", "all-gather", "reduce-scatter",
@@ -92,30 +94,19 @@ def collective_time_from_profile(logdir: str, device_index: int = 0) -> dict:
   NCCL kernels on the stream lines ('source' says which). Returns {} when there is no device
   plane (e.g. on CPU, where ops run on host threads).
   """
-  from jax.profiler import ProfileData
-  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-  if not paths:
-    raise FileNotFoundError(f"no .xplane.pb under {logdir}")
-  data = ProfileData.from_file(sorted(paths)[-1])
+  lines = trace_times.device_line_times(logdir, device_index)
+  if lines is None:
+    return {}
   by_op: dict = collections.defaultdict(float)
   by_kernel: dict = collections.defaultdict(float)
-  found = False
-  for plane in data.planes:
-    if plane.name != f"/device:GPU:{device_index}":
-      continue
-    found = True
-    for line in plane.lines:
-      for event in line.events:
-        if line.name == "XLA Ops":
-          kind = collective_kind(event.name)
-          if kind is not None:
-            by_op[kind] += event.duration_ns / 1e6
-        elif line.name.startswith("Stream"):
-          kind = _nccl_kind(event.name)
-          if kind is not None:
-            by_kernel[kind] += event.duration_ns / 1e6
-  if not found:
-    return {}
+  for name, ns in lines.get("XLA Ops", {}).items():
+    kind = collective_kind(name)
+    if kind is not None:
+      by_op[kind] += ns / 1e6
+  for name, ns in trace_times.stream_kernel_times(lines).items():
+    kind = _nccl_kind(name)
+    if kind is not None:
+      by_kernel[kind] += ns / 1e6
   if by_op:
     return dict(by_op, source="XLA Ops")
   return dict(by_kernel, source="NCCL kernels")

@@ -13,34 +13,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
 import os
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kda_bench as kb  # noqa: E402  (sets the allocator flag before jax starts)
+import trace_times  # noqa: E402
 
 import jax  # noqa: E402
-
-
-def _device_kernels(xplane_path):
-  """{kernel name: total ns} over the GPU stream lines of a jax.profiler trace."""
-  from jax.profiler import ProfileData
-  totals = collections.Counter()
-  lines_seen = []
-  for plane in ProfileData.from_file(xplane_path).planes:
-    if not plane.name.startswith("/device:GPU"):
-      continue
-    for line in plane.lines:
-      lines_seen.append(line.name)
-      if not line.name.startswith("Stream"):
-        continue
-      for ev in line.events:
-        totals[ev.name] += ev.duration_ns
-  if not totals:
-    raise RuntimeError(f"no GPU stream events in {xplane_path}; lines: {lines_seen}")
-  return totals
 
 
 def profile_pallas(B, T, H, D, modes, iters):
@@ -54,8 +35,10 @@ def profile_pallas(B, T, H, D, modes, iters):
         for _ in range(iters):
           out = fn(*a)
         jax.block_until_ready(out)
-      (path,) = glob.glob(os.path.join(d, "**", "*.xplane.pb"), recursive=True)
-      totals = _device_kernels(path)
+      lines = trace_times.device_line_times(d)
+    totals = trace_times.stream_kernel_times(lines)
+    if not totals:
+      raise RuntimeError(f"no GPU kernels in the trace; device 0's lines: {list(lines or {})}")
     _emit_totals("pallas", mode, B, T, H, D, totals, iters)
 
 

@@ -1,0 +1,39 @@
+"""Device time per event name from a `jax.profiler.trace` directory (ep_bench, kda_profile).
+
+On GPU the device plane '/device:GPU:i' of the written XSpace has an 'XLA Ops' line (one event per
+executed HLO op) and 'Stream #...' lines (the CUDA kernels, Pallas / Triton ones under their
+kernel names).
+"""
+from __future__ import annotations
+
+import collections
+import glob
+import os
+
+
+def device_line_times(logdir: str, device_index: int = 0):
+  """{line name: Counter(event name -> total ns)} of the plane '/device:GPU:<device_index>' in the
+  newest trace under `logdir`; None when the trace has no such plane (on CPU ops run on host
+  threads). Raises FileNotFoundError when `logdir` holds no trace."""
+  from jax.profiler import ProfileData
+  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no .xplane.pb under {logdir}")
+  for plane in ProfileData.from_file(sorted(paths)[-1]).planes:
+    if plane.name == f"/device:GPU:{device_index}":
+      lines = {}
+      for line in plane.lines:
+        times = lines.setdefault(line.name, collections.Counter())
+        for event in line.events:
+          times[event.name] += event.duration_ns
+      return lines
+  return None
+
+
+def stream_kernel_times(lines) -> collections.Counter:
+  """Kernel name -> total ns over the stream lines of `device_line_times`' result."""
+  total = collections.Counter()
+  for name, times in (lines or {}).items():
+    if name.startswith("Stream"):
+      total.update(times)
+  return total

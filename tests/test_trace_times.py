@@ -1,0 +1,70 @@
+"""experiments/benchmarks/trace_times.py on a synthetic trace (an XSpace written as the profiler
+would), and ep_bench's collective classification on top of it."""
+
+import pytest
+from jax.profiler import ProfileData
+
+from testlib import load_benchmark
+
+trace_times = load_benchmark("trace_times")
+ep = load_benchmark("ep_bench")
+
+# Two GPU planes: on GPU 0 a stream line (one kernel twice, an NCCL kernel once) and the 'XLA Ops'
+# line, on GPU 1 a stream line only; durations in picoseconds.
+XSPACE = """
+planes { id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(compute)"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 }
+    events { metadata_id: 2 offset_ps: 4000000 duration_ps: 1500000 }
+    events { metadata_id: 1 offset_ps: 9000000 duration_ps: 3000000 } }
+  lines { id: 2 name: "XLA Ops"
+    events { metadata_id: 3 offset_ps: 0 duration_ps: 4000000 }
+    events { metadata_id: 4 offset_ps: 5000000 duration_ps: 500000 } }
+  event_metadata { key: 1 value { id: 1 name: "kda_gate_fwd" } }
+  event_metadata { key: 2 value { id: 2 name: "ncclDevKernel_SendRecv" } }
+  event_metadata { key: 3 value { id: 3 name: "all-to-all.1" } }
+  event_metadata { key: 4 value { id: 4 name: "fusion.2" } }
+}
+planes { id: 2 name: "/device:GPU:1"
+  lines { id: 1 name: "Stream #7(compute)"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 7000000 }
+    events { metadata_id: 2 offset_ps: 8000000 duration_ps: 1000000 } }
+  event_metadata { key: 1 value { id: 1 name: "kda_gate_fwd" } }
+  event_metadata { key: 2 value { id: 2 name: "ncclDevKernel_AllReduce_Sum_f32_RING_LL" } }
+}
+"""
+
+
+@pytest.fixture
+def trace_dir(tmp_path):
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(XSPACE))
+  return str(tmp_path)
+
+
+def test_device_line_times_sums_per_line_and_name(trace_dir):
+  lines = trace_times.device_line_times(trace_dir)
+  assert set(lines) == {"Stream #13(compute)", "XLA Ops"}
+  assert dict(lines["Stream #13(compute)"]) == {"kda_gate_fwd": 5000.0,
+                                                "ncclDevKernel_SendRecv": 1500.0}
+  assert dict(lines["XLA Ops"]) == {"all-to-all.1": 4000.0, "fusion.2": 500.0}
+  assert dict(trace_times.stream_kernel_times(lines)) == dict(lines["Stream #13(compute)"])
+  assert dict(trace_times.device_line_times(trace_dir, 1)["Stream #7(compute)"]) == {
+      "kda_gate_fwd": 7000.0, "ncclDevKernel_AllReduce_Sum_f32_RING_LL": 1000.0}
+  assert trace_times.device_line_times(trace_dir, 2) is None  # no such device plane
+  assert trace_times.stream_kernel_times(None) == {}
+
+
+def test_missing_trace_raises(tmp_path):
+  with pytest.raises(FileNotFoundError, match="xplane"):
+    trace_times.device_line_times(str(tmp_path))
+
+
+def test_ep_bench_collective_time(trace_dir):
+  # The 'XLA Ops' line has a collective: it is the source (ms), fusions are left out.
+  assert ep.collective_time_from_profile(trace_dir) == {"all-to-all": 0.004, "source": "XLA Ops"}
+  # Device 1 has no 'XLA Ops' line: its NCCL kernels are.
+  assert ep.collective_time_from_profile(trace_dir, 1) == {"all-reduce": 0.001,
+                                                           "source": "NCCL kernels"}
+  assert ep.collective_time_from_profile(trace_dir, 2) == {}
