@@ -365,8 +365,8 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
       [{"dense_bwd_launch": l, "dense_bwd_bv": bv, "dense_bwd_bk": bk}
        for l in STAGE_LAUNCHES["dense_bwd"] for bv, bk in DENSE_BLOCKS if bv <= D and bk <= D]
       if not scans_only else [{}])
-  stage("intra_bwd", lambda cfg, *a: kk.intra_bwd(cfg_bwd(cfg), *a),
-        (qn, kn, graw, G, dP, dX, dq, dk, dG, a_log, dt),
+  stage("intra_bwd", lambda cfg, *a: kk.intra_bwd(cfg_bwd(cfg), *a[:-4], norm=a[-4:]),
+        (qn, kn, graw, G, dP, dX, dq, dk, dG, a_log, dt, q, k, rq, rk),
         blocked("intra_bwd", "intra_bwd_bk") if not scans_only else [{}])
   tuning = kk.Tuning(**best)
   row["best"] = {n: list(v) if isinstance(v, tuple) else v for n, v in best.items()}

@@ -36,7 +36,8 @@ X_ij · r_k,i r_k,j and P_ij · r_q,i r_k,j (each tile is bilinear in its rows).
 the XLA pass that normalised q and k before the kernels (a read and a write of both: 0.127 of
 1.655 ms at (8, 4096, 16, 128)); the row sums cost gate_fwd ~0.1 ms of it (RESULTS.md run 7).
 The backward's kernels read q, k themselves and take the normalised ones (dense_bwd and
-intra_bwd refuse qk_l2norm).
+intra_bwd refuse qk_l2norm); gate_bwd, which holds a chunk's whole rows, takes dq, dk through the
+norm (intra_bwd's `norm`).
 
 Kernels (grid: what one program does). Forward: gate_fwd (B, NT, H: the gate, G and the gated q /
 k), intra_fwd (B, NT, H: one chunk, its K columns in blocks of `Tuning.intra_fwd_bk`, a loop; the
@@ -713,13 +714,29 @@ def _intra_bwd_kernel(cfg: KernelConfig, q_ref, k_ref, G_ref, dP_ref, dX_ref, dq
   dG_ref[...] = dGp_ref[...] + q_T * left_q + k_T * (left_k - right)
 
 
-def _gate_bwd_kernel(cfg: KernelConfig, g_ref, dG_ref, *refs):
+def _gate_bwd_kernel(cfg: KernelConfig, normed, g_ref, dG_ref, *refs):
   """dg = reverse cumsum of dG within the chunk (G is the inclusive cumsum of the log gate), then
   through the fused gate to its input (written in the input's dtype), with the per-token A_log
   gradient terms and the chunk's column sums of dg in fp32 (dt_bias's gradient: its sum over
-  tokens is taken here, so no fp32 dg is written and read back for it)."""
+  tokens is taken here, so no fp32 dg is written and read back for it).
+
+  With `normed` (q/k L2 norm in the forward) it also takes dq, dk through the norm: for
+  xn = x r, r = (Σ x² + eps)^{-1/2}, dx = r (dxn − xn <xn, dxn>), from the raw x and r of the
+  forward; the chunk's whole rows are this program's, and this spares an XLA pass that read
+  x and dxn and wrote dx again (RESULTS.md run 8)."""
   ng = 0 if cfg.gate == "none" else 2
-  gate_refs, out_refs = refs[:ng], refs[ng:]
+  nn = 6 if normed else 0
+  norm_refs, gate_refs, out_refs = refs[:nn], refs[nn:nn + ng], refs[nn + ng:]
+  if normed:
+    q_ref, k_ref, dqn_ref, dkn_ref, rq_ref, rk_ref = norm_refs
+    dq_ref, dk_ref = out_refs[-2:]
+    out_refs = out_refs[:-2]
+    for x_ref, r_ref, dxn_ref, dx_ref in ((q_ref, rq_ref, dqn_ref, dq_ref),
+                                          (k_ref, rk_ref, dkn_ref, dk_ref)):
+      r = r_ref[...][:, None]
+      xn, dxn = _f32(x_ref[...]) * r, _f32(dxn_ref[...])
+      dx = r * (dxn - xn * jnp.sum(xn * dxn, axis=1, keepdims=True))
+      dx_ref[...] = dx.astype(dx_ref.dtype)
   dG = dG_ref[...]
   dg = jnp.sum(dG, axis=0, keepdims=True) - lax.cumsum(dG, axis=0) + dG
   if cfg.gate == "none":
@@ -990,13 +1007,15 @@ def dense_bwd(cfg, q, k, v, beta, G, vn, M, X, hs, dhs, dvn, do, dseg=None):
   )(*args)
 
 
-def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
+def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None, norm=None):
   """Pair terms (`_intra_bwd_kernel`) then the gate's backward (`_gate_bwd_kernel`).
 
   Returns dq, dk [B,T,H,K] (input dtype), dg [B,T,H,K] in g.dtype (w.r.t. the gate input) and,
   for a fused gate, the per-token A_log gradient terms [B,T,H] fp32 and the per-chunk sums of dg
   over its tokens [B,NT,H,K] fp32 (dt_bias's gradient summed over B and NT). dP and dX come
-  masked (causal, within documents) from `dense_bwd`."""
+  masked (causal, within documents) from `dense_bwd`. q, k are the normalised ones when the
+  forward normalised them; then `norm` = (q_raw, k_raw, r_q, r_k) (r [B,T,H] fp32, gate_fwd's)
+  and the returned dq, dk are w.r.t. the raw q, k (the norm's gradient is taken in gate_bwd)."""
   _require_normalized(cfg, "intra_bwd")
   B, T, H, K = q.shape
   C, ns = cfg.chunk, cfg.ns
@@ -1019,15 +1038,25 @@ def intra_bwd(cfg, q, k, g, G, dP, dX, dq, dk, dG, a_log=None, dt_bias=None):
   args = [g, dG]
   out_specs = [_tok_spec(C, K)]
   out_shape = [jax.ShapeDtypeStruct((B, T, H, K), g.dtype)]
+  if norm is not None:
+    q_raw, k_raw, rq, rk = norm
+    in_specs += [_tok_spec(C, K)] * 4 + [_vec_spec(C)] * 2
+    args += [q_raw, k_raw, dq, dk, rq, rk]
   if cfg.gate != "none":
     in_specs += _gate_specs(H, K)
     args += [a_log.astype(f32), dt_bias.astype(f32)]
     out_specs += [_vec_spec(C), pl.BlockSpec((None, None, None, K), lambda b, c, h: (b, c, h, 0))]
     out_shape += [jax.ShapeDtypeStruct((B, T, H), f32), jax.ShapeDtypeStruct((B, nt, H, K), f32)]
+  if norm is not None:
+    out_specs += [_tok_spec(C, K)] * 2
+    out_shape += [jax.ShapeDtypeStruct((B, T, H, K), q_raw.dtype),
+                  jax.ShapeDtypeStruct((B, T, H, K), k_raw.dtype)]
   outs = pl.pallas_call(
-      functools.partial(_gate_bwd_kernel, cfg),
+      functools.partial(_gate_bwd_kernel, cfg, norm is not None),
       grid=(B, nt, H),
       in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       interpret=cfg.interpret, name="kda_gate_bwd", **_params(cfg, cfg.tuning.gate_bwd_launch),
   )(*args)
+  if norm is not None:
+    dq, dk, outs = outs[-2], outs[-1], outs[:-2]
   return (dq, dk) + tuple(outs)

@@ -11,7 +11,7 @@ this is written beyond what the forward itself reads back.
 
 q/k L2 norm (`use_qk_l2norm`): inside gate_fwd (and intra_fwd's tiles, see `kernels.py`), not an
 XLA pass before the kernels; a training forward's gate_fwd also writes the normalised q, k (the
-backward's kernels read them) and keeps the norms, with which XLA forms the norm's gradient.
+backward's kernels read them) and the norms, with which gate_bwd forms the norm's gradient.
 
 Packing: `cu_seqlens` aligns each sequence to the chunk grid (its own initial / final state);
 `segment_ids` keeps the tokens where they are and resets the state inside chunks (document masks in
@@ -82,15 +82,6 @@ def _forward(cfg, residuals, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, l
   return (o, ht), res
 
 
-def _l2norm_bwd(x, r, dxn):
-  """Gradient through xn = x·r, r = (Σ x² + eps)^{-1/2}: r (dxn - xn <xn, dxn>), in x.dtype.
-  x [..., K] raw, r [...] fp32, dxn [..., K]."""
-  r = r[..., None]
-  xn = x.astype(jnp.float32) * r
-  dxn = dxn.astype(jnp.float32)
-  return (r * (dxn - xn * jnp.sum(xn * dxn, axis=-1, keepdims=True))).astype(x.dtype)
-
-
 @functools.partial(jax.jit, static_argnums=(0,))
 def _core_bwd(cfg, res, cts):
   (q, k, qn, kn, rq, rk, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first,
@@ -102,10 +93,9 @@ def _core_bwd(cfg, res, cts):
                               dseg=dseg)
   dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, qn, kn, v, beta, G, vn, M, X, hs, dhs, dvn,
                                                   do, dseg=dseg)
-  outs = kk.intra_bwd(cfg, qn, kn, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias)
+  outs = kk.intra_bwd(cfg, qn, kn, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias,
+                      norm=(q, k, rq, rk) if norm else None)
   dq, dk, dg = outs[:3]
-  if norm:
-    dq, dk = _l2norm_bwd(q, rq, dq), _l2norm_bwd(k, rk, dk)
   if cfg.gate == "none":
     da, ddt = None, None
   else:
