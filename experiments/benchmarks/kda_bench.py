@@ -8,8 +8,8 @@ q/k L2-norm in the op). Prints one JSON line per measurement:
   fla: triton's do_bench) of forward and forward+backward. The forward is the call without a
   gradient: for Pallas the kernels that store nothing for a backward (`ops._forward`), for fla the
   same kernels as under autograd (its forward does not depend on it);
-- TFLOP/s by the chunk FLOP count of the Kimi Linear paper (eq. 13: per head 6·T·d² + 3·T·C·d + T·C²,
-  forward; forward+backward counted as 3× that);
+- TFLOP/s by the chunk FLOP count of the Kimi Linear paper (`k3jax.flops.kda_chunk_flops`, eq. 13:
+  per head 6·T·d² + 3·T·C·d + T·C², forward; forward+backward counted as 3× that);
 - memory of forward+backward at every shape: for JAX the compiled step's inputs + outputs +
   temporaries (XLA's memory analysis), for fla torch's max_memory_allocated after a reset.
 
@@ -39,6 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from k3jax.flops import kda_chunk_flops  # noqa: E402
 from k3jax.ops import kda as kda_ops  # noqa: E402
 from pallas_kernels.kda import chunk_kda as pallas_chunk_kda  # noqa: E402
 from pallas_kernels.kda import kernels as kk  # noqa: E402
@@ -107,10 +108,6 @@ def time_jax(fn, args, reps=20, warmup=3, min_warmup_s=0.3, batches=5):
     jax.block_until_ready(out)
     ts.append((time.perf_counter() - t) * 1e3 / reps)
   return statistics.median(ts)
-
-
-def flops_fwd(B, T, H, D, C=64):
-  return B * H * (6 * T * D * D + 3 * T * C * D + T * C * C)
 
 
 def rr(a, b):
@@ -195,7 +192,7 @@ def bench_jax(impl, B, T, H, D, modes, tuning=None, segments=False):
   seg = random_segments(B, T, 1000) if segments else None
   fwd, fwdbwd = jax_fns(impl, tuning, seg)
   row = dict(kind="time", impl=impl, B=B, T=T, H=H, D=D, segments=segments)
-  fl = flops_fwd(B, T, H, D)
+  fl = kda_chunk_flops(B, T, H, D)
   try:
     if "fwd" in modes:
       row["fwd_ms"] = round(time_jax(fwd, args), 3)
@@ -238,7 +235,7 @@ def bench_fla(B, T, H, D, modes):
   from triton.testing import do_bench
   fwd, fb = fla_calls(B, T, H, D)
   row = dict(kind="time", impl="fla", B=B, T=T, H=H, D=D)
-  fl = flops_fwd(B, T, H, D)
+  fl = kda_chunk_flops(B, T, H, D)
   if "fwd" in modes:
     row["fwd_ms"] = round(do_bench(fwd, warmup=25, rep=100), 3)
     row["fwd_tflops"] = round(fl / row["fwd_ms"] / 1e9, 1)
