@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
+from k3jax.flops import flops_per_token  # noqa: F401
 from k3jax.layers import common
 from k3jax.layers.attnres import DepthMix
 from k3jax.layers.ffn import SiTUGLU
