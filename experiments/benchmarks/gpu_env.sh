@@ -1,11 +1,15 @@
 # Source from the repository root on the GPU machine, after `../shared/tools/gpu-prep` copied the
 # wheels into ./.whl (carried with the working tree):  source experiments/benchmarks/gpu_env.sh
-# Installs gin-config, grain and fla into /tmp/site, plus the wheels in .whl/extra (tqdm,
+# Installs gin-config, grain, fla and tokamax into /tmp/site, plus the wheels in .whl/extra (tqdm,
 # tensorboardX, matplotlib and their dependencies; put there by hand, `pip download`, for the
 # training job) only for the packages the image lacks, so that the image's own numpy, protobuf and
 # friends stay in charge. Nothing is downloaded. The kernel benchmarks need none of the extras: a
 # missing one is reported, not fatal.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
+# tokamax (the MoE's grouped matmul and the document-masked attention) and its dependencies; the
+# image's jax 0.11.2 is the one setup.cfg pins.
+python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/tokamax/*.whl \
+  || return 1
 _extra() {  # installs .whl/extra/$1-*.whl if present; returns 1 if it is not
   set -- .whl/extra/$1-*.whl
   [ -e "$1" ] || return 1
@@ -38,4 +42,5 @@ save_autotune() {
   (cd "$TRITON_CACHE_DIR" 2>/dev/null && find . -name '*.autotune.json' | tar -cf "$tarball" -T - \
     && echo "gpu_env: $(tar -tf "$tarball" | wc -l) autotune results in \$OUT/triton_autotune.tar")
 }
-python3 -c "import gin, grain, jax; print('gpu_env: jax', jax.__version__, jax.devices())"
+python3 -c "import gin, grain, jax, tokamax; print('gpu_env: jax', jax.__version__, 'tokamax',
+  tokamax.__version__, jax.devices())"
