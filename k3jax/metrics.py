@@ -30,9 +30,17 @@ def peak_flops_for(backend: str, override_tflops: float = 0.0) -> float:
   return DEFAULT_PEAK_FLOPS[backend]
 
 
-def mfu(active_params: int, tokens_per_s: float, peak_flops_total: float) -> float:
-  """Model FLOP utilisation: 6 * active_params * tokens/s / peak FLOP/s (attention FLOPs ignored)."""
-  return 6.0 * active_params * tokens_per_s / peak_flops_total
+def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_total: float) -> float:
+  """Model FLOP utilisation: flops_per_token * tokens/s / peak FLOP/s.
+
+  flops_per_token: the training FLOPs of one token at the current row length,
+  `k3jax.flops.flops_per_token(cfg, seq_len)` (forward + backward, attention included).
+  peak_flops_total: the peak FLOP/s of all devices the tokens ran on.
+  """
+  for name, value in (("flops_per_token", flops_per_token), ("peak_flops_total", peak_flops_total)):
+    if not value > 0:
+      raise ValueError(f"mfu: {name} = {value!r} must be a positive number")
+  return flops_per_token * tokens_per_s / peak_flops_total
 
 
 def _plain(v: Any) -> Any:

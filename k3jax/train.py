@@ -51,7 +51,8 @@ from k3jax.data.tokenizers import make_tokenizer
 from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_layer
 from k3jax.evaluate import bytes_per_token, token_cross_entropy
 from k3jax.layers import moe as moe_layers
-from k3jax.model import K3Model, count_params, init_variables
+from k3jax.flops import flops_per_token
+from k3jax.model import K3Model, init_variables
 
 PyTree = Any
 # The collection in which MLA layers sow per-head max attention logits for QK-Clip: leaves named
@@ -505,7 +506,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   writer.write_text("config", "```\n" + config_to_gin(cfg) + "```")
   start = start or 0
 
-  _, active_params = count_params(cfg.model)
+  # MFU by the model FLOPs of each stage's row length (attention grows with it).
+  stage_flops = {seq: flops_per_token(cfg.model, seq) for seq, _ in scfg.stages}
   devices = 1 if mesh is None else mesh.devices.size
   peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops) * devices
 
@@ -558,7 +560,7 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
           rate = throughput.tick()
           writer.write(step, "train", _train_record(
               step, stage, seq_len, scfg.batch_size(stage), m, rate,
-              metrics_lib.mfu(active_params, rate, peak)))
+              metrics_lib.mfu(stage_flops[seq_len], rate, peak)))
         bar.update(step, float(m["loss"]), stage, seq_len)
         if at_end or step % cfg.checkpoint.every_steps == 0:
           save(step)

@@ -170,3 +170,11 @@ def test_against_xla_cost_analysis():
   ours["moe_routed"] *= cfg.moe_num_experts
   ratio = xla_per_token / sum(ours.values())
   assert 1.0 <= ratio <= 1.06, (ratio, xla_per_token, ours)
+
+
+def test_mfu_uses_the_flop_count():
+  from k3jax import metrics
+  fpt = flops.flops_per_token(HAND, 9)
+  assert metrics.mfu(fpt, 1000.0, 2 * fpt * 1000.0) == pytest.approx(0.5)
+  with pytest.raises(ValueError, match="flops_per_token"):
+    metrics.mfu(0.0, 1000.0, 1e12)
