@@ -1,0 +1,241 @@
+"""Flash attention over per-query key ranges: forward, dq and dk/dv kernels (Pallas, Triton lowering).
+
+Query t sees the keys s with k_lo[t] <= s < k_hi[t] (a packed document, causal or not, is such a
+range). Each program walks only the key blocks that its query block's ranges touch (dq and the
+forward), or only the query blocks listed for its key block by the caller's per-key query ranges
+[q_lo[s], q_hi[s]) (dk/dv), so a row of many documents costs the sum of its documents' blocks,
+not a whole causal pass. The per-element mask inside a block always comes from k_lo / k_hi, so
+the query ranges only need to cover every query that sees the key (a superset is correct, only
+slower).
+
+Inputs arrive padded by `ops.py`: sequence lengths to whole blocks, head dims to powers of two
+(Triton's tiles), padded queries with an empty range (k_lo = S, k_hi = 0) and padded keys with
+q_lo = T, q_hi = 0 so that they widen no block's loop.
+
+Layouts: q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv], out/dout [B, T, H, Dv], lse/delta
+[B, H, T] fp32, k_lo/k_hi [B, T] int32, q_lo/q_hi [B, S] int32; H = Hk · G, query head h reads key
+head h // G. Matmul operands in the input dtype, accumulation and softmax in fp32.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+
+@dataclasses.dataclass(frozen=True)
+class FlashConfig:
+  """Block sizes (powers of two) and launch parameters; the interpreter ignores the launches.
+
+  Attributes:
+    block_q / block_k: forward and dq kernel tiles (queries per program, keys per step).
+    block_q_dkv / block_k_dkv: dk/dv kernel tiles (keys per program, queries per step).
+    fwd_launch / dq_launch / dkv_launch: (num_warps, num_stages) of each kernel.
+    interpret: run in the Pallas interpreter (CPU tests).
+  """
+  block_q: int = 64
+  block_k: int = 64
+  block_q_dkv: int = 64
+  block_k_dkv: int = 64
+  fwd_launch: tuple = (4, 2)
+  dq_launch: tuple = (4, 2)
+  dkv_launch: tuple = (4, 2)
+  interpret: bool = False
+
+  def __post_init__(self):
+    for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"FlashConfig.{name} must be a power of two, got {value}")
+
+
+def _params(cfg: FlashConfig, launch) -> dict:
+  if cfg.interpret:
+    return {}
+  num_warps, num_stages = launch
+  return dict(compiler_params=pl_triton.CompilerParams(num_warps=num_warps,
+                                                       num_stages=num_stages))
+
+
+def _dot(a, b):
+  """a [m, k] · b [k, n] with fp32 accumulation (operands as given)."""
+  return jnp.dot(a, b, preferred_element_type=jnp.float32)
+
+
+def _dot_t(a, b):
+  """a [m, k] · b[n, k]ᵀ with fp32 accumulation."""
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _iota(shape, dim):
+  return lax.broadcasted_iota(jnp.int32, shape, dim)
+
+
+def _block_span(lo, hi, block: int):
+  """First and one-past-last block index that the ranges [lo, hi) touch (empty: first >= last)."""
+  first = jnp.min(lo) // block
+  last = (jnp.max(hi) + block - 1) // block
+  return first, jnp.maximum(first, last)
+
+
+def _fwd_kernel(scale, bk, q_ref, k_ref, v_ref, klo_ref, khi_ref, o_ref, lse_ref):
+  q = q_ref[...]
+  klo, khi = klo_ref[...], khi_ref[...]
+  bq = q.shape[0]
+  first, last = _block_span(klo, khi, bk)
+
+  def step(j, carry):
+    m, l, acc = carry
+    start = pl.multiple_of(j * bk, bk)
+    kb = k_ref[pl.ds(start, bk), :]
+    vb = v_ref[pl.ds(start, bk), :]
+    cols = start + _iota((bq, bk), 1)
+    seen = (cols >= klo[:, None]) & (cols < khi[:, None])
+    s = jnp.where(seen, _dot_t(q, kb) * scale, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=1))
+    m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: avoid inf - inf
+    p = jnp.exp(s - m_safe[:, None])
+    alpha = jnp.exp(m - m_safe)
+    return m_new, l * alpha + jnp.sum(p, axis=1), acc * alpha[:, None] + _dot(p.astype(vb.dtype),
+                                                                            vb)
+
+  init = (jnp.full((bq,), -jnp.inf, jnp.float32), jnp.zeros((bq,), jnp.float32),
+          jnp.zeros((bq, v_ref.shape[-1]), jnp.float32))
+  m, l, acc = lax.fori_loop(first, last, step, init)
+  seen = l > 0
+  l_safe = jnp.where(seen, l, 1.0)
+  o_ref[...] = jnp.where(seen[:, None], acc / l_safe[:, None], 0.0).astype(o_ref.dtype)
+  lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
+
+
+def _dq_kernel(scale, bk, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref,
+               dq_ref):
+  q, do = q_ref[...], do_ref[...]
+  lse, delta = lse_ref[...], delta_ref[...]
+  klo, khi = klo_ref[...], khi_ref[...]
+  bq = q.shape[0]
+  first, last = _block_span(klo, khi, bk)
+
+  def step(j, dq):
+    start = pl.multiple_of(j * bk, bk)
+    kb = k_ref[pl.ds(start, bk), :]
+    vb = v_ref[pl.ds(start, bk), :]
+    cols = start + _iota((bq, bk), 1)
+    seen = (cols >= klo[:, None]) & (cols < khi[:, None])
+    p = jnp.where(seen, jnp.exp(_dot_t(q, kb) * scale - lse[:, None]), 0.0)
+    ds = p * (_dot_t(do, vb) - delta[:, None])
+    return dq + _dot(ds.astype(kb.dtype), kb)
+
+  dq = lax.fori_loop(first, last, step, jnp.zeros(q.shape, jnp.float32))
+  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(scale, bq, groups, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref,
+                khi_ref, qlo_ref, qhi_ref, dk_ref, dv_ref):
+  kb, vb = k_ref[...], v_ref[...]
+  bk = kb.shape[0]
+  key0 = pl.program_id(2) * bk
+  first, last = _block_span(qlo_ref[...], qhi_ref[...], bq)
+  rows = key0 + _iota((bk, bq), 0)
+
+  def step(i, carry, g):
+    dk, dv = carry
+    start = pl.multiple_of(i * bq, bq)
+    qb = q_ref[pl.ds(start, bq), g, :]
+    dob = do_ref[pl.ds(start, bq), g, :]
+    lse = lse_ref[g, pl.ds(start, bq)]
+    delta = delta_ref[g, pl.ds(start, bq)]
+    klo = klo_ref[pl.ds(start, bq)]
+    khi = khi_ref[pl.ds(start, bq)]
+    seen = (rows >= klo[None, :]) & (rows < khi[None, :])
+    p = jnp.where(seen, jnp.exp(_dot_t(kb, qb) * scale - lse[None, :]), 0.0)  # [bk, bq]
+    dv = dv + _dot(p.astype(dob.dtype), dob)
+    ds = p * (_dot_t(vb, dob) - delta[None, :])
+    return dk + _dot(ds.astype(qb.dtype), qb), dv
+
+  carry = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+  for g in range(groups):  # the query heads that share this key head, one after the other
+    carry = lax.fori_loop(first, last, functools.partial(step, g=g), carry)
+  dk, dv = carry
+  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+def flash_fwd(q, k, v, k_lo, k_hi, *, scale: float, cfg: FlashConfig):
+  """Padded inputs (module docstring) -> out [B, T, H, Dv] in q.dtype, lse [B, H, T] fp32."""
+  b, t, h, d = q.shape
+  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  g, bq, bk = h // hk, cfg.block_q, cfg.block_k
+  return pl.pallas_call(
+      functools.partial(_fwd_kernel, scale, bk),
+      grid=(b, h, t // bq),
+      in_specs=[
+          pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, s, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, s, None, dv), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+      ],
+      out_specs=[
+          pl.BlockSpec((None, bq, None, dv), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+      ],
+      out_shape=[jax.ShapeDtypeStruct((b, t, h, dv), q.dtype),
+                 jax.ShapeDtypeStruct((b, h, t), jnp.float32)],
+      interpret=cfg.interpret, name="flash_ranges_fwd", **_params(cfg, cfg.fwd_launch),
+  )(q, k, v, k_lo, k_hi)
+
+
+def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float,
+              cfg: FlashConfig):
+  """Padded inputs (module docstring) -> dq, dk, dv in the input dtypes."""
+  b, t, h, d = q.shape
+  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  g = h // hk
+  bq, bk = cfg.block_q, cfg.block_k
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale, bk),
+      grid=(b, h, t // bq),
+      in_specs=[
+          pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, s, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, s, None, dv), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, bq, None, dv), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+          pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+      ],
+      out_specs=pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=cfg.interpret, name="flash_ranges_dq", **_params(cfg, cfg.dq_launch),
+  )(q, k, v, dout, lse, delta, k_lo, k_hi)
+
+  bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
+  dk, dv_ = pl.pallas_call(
+      functools.partial(_dkv_kernel, scale, bq, g),
+      grid=(b, hk, s // bk),
+      in_specs=[
+          pl.BlockSpec((None, t, g, d), lambda bi, hi, ki: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+          pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0)),
+          pl.BlockSpec((None, t, g, dv), lambda bi, hi, ki: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
+          pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
+          pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
+          pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
+          pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
+          pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
+      ],
+      out_specs=[pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+                 pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0))],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      interpret=cfg.interpret, name="flash_ranges_dkv", **_params(cfg, cfg.dkv_launch),
+  )(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi)
+  return dq, dk, dv_
