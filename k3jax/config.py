@@ -32,7 +32,7 @@ def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
 DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
 
 
@@ -72,7 +72,9 @@ class ModelConfig:
   mla_qk_rope_dim: int = 16       # never rotated (NoPE); kept for shape fidelity
   mla_v_dim: int = 32
   mla_output_gate: bool = True
-  attention_impl: str = "auto"    # auto | xla | cudnn
+  # auto | xla | cudnn | tokamax | tokamax_pallas_bwd | pallas (k3jax/ops/attention.py). auto: cuDNN
+  # for rows without segment ids, tokamax Mosaic for packed rows on sm90+, XLA (blockwise) else.
+  attention_impl: str = "auto"
 
   # FFN and MoE (SiTU-GLU everywhere)
   situ_beta1: float = 4.0

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import math
+import re
 
 import flax
 import jax
@@ -165,3 +167,33 @@ def test_bfloat16_close_to_float32():
   assert y16.dtype == jnp.bfloat16
   err = np.abs(np.asarray(y16.astype(jnp.float32)) - y32).max()
   assert err < 0.05 * np.abs(y32).max(), err
+
+
+def _largest_shape(hlo_text: str) -> int:
+  """Elements of the largest array shape named in StableHLO (tensor<AxBx..xf32>) or HLO text."""
+  dims = re.findall(r"tensor<((?:\d+x)+)[a-z]", hlo_text)
+  dims = [d.rstrip("x").split("x") for d in dims]
+  dims += [d.split(",") for d in re.findall(r"[a-z]\d*\[([\d,]+)\]", hlo_text)]
+  return max(math.prod(int(n) for n in d if n) for d in dims)
+
+
+def test_training_grad_holds_no_t_squared_array():
+  """jit(grad) of the MLA training forward at T = 65536 with segment ids (and QK-Clip's max-logit
+  statistic): no array of T² elements in the lowered or the compiled program (not run)."""
+  t = 65536
+  layer = GatedMLA(BASE)
+  params = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 16)),
+                                             jnp.ones((1, 8), jnp.int32)))
+
+  def loss(p, x, seg):
+    y, stats = layer.apply(p, x, seg, mutable=["attn_stats"])
+    return jnp.sum(y * y) + jnp.sum(stats["attn_stats"]["max_logits"][0])
+
+  lowered = jax.jit(jax.grad(loss)).lower(params, jax.ShapeDtypeStruct((1, t, 16), jnp.float32),
+                                          jax.ShapeDtypeStruct((1, t), jnp.int32))
+  assert _largest_shape(lowered.as_text()) < t * t
+  assert _largest_shape(lowered.compile().as_text()) < t * t
+  # The same check sees a dense mask: the detector itself is not blind.
+  dense = jax.jit(lambda s: s[:, :, None] == s[:, None, :]).lower(
+      jax.ShapeDtypeStruct((1, t), jnp.int32))
+  assert _largest_shape(dense.as_text()) >= t * t
