@@ -1,8 +1,10 @@
-"""Tests of k3jax.checkpoint: round trip, retention, unfinalised directories, model-only restore."""
+"""Tests of k3jax.checkpoint: round trip, retention, unfinalised directories, model-only restore,
+trees that do not fit, damaged steps, the conversion hook."""
 
 from __future__ import annotations
 
 import os
+import shutil
 
 import jax
 import jax.numpy as jnp
@@ -10,15 +12,20 @@ import numpy as np
 import optax
 import pytest
 
-from k3jax.checkpoint import Checkpointer
+from k3jax.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError
+from k3jax.checkpoint import config_differences
 from k3jax.config import CheckpointConfig
 
 
-def _state(seed: int):
+def _state(seed: int, big: bool = False):
+  """A small training state; big=True adds a 128 KiB weight (tensorstore keeps arrays this small
+  inline in its index, where damaging the data files would not touch them)."""
   rng = np.random.default_rng(seed)
   params = {"layer_0": {"w": jnp.asarray(rng.normal(size=(4, 3)), jnp.float32),
                         "scale": jnp.asarray(rng.normal(size=(3,)), jnp.float32)},
             "embedding": jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)}
+  if big:
+    params["big"] = jnp.asarray(rng.normal(size=(128, 256)), jnp.float32)
   moe_state = {"layer_1": {"moe": {"bias": jnp.asarray(rng.normal(size=(4,)), jnp.float32)}}}
   opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
   opt_state = opt.init(params)
@@ -108,3 +115,144 @@ def test_restore_model_from_empty_directory(tmp_path):
   with pytest.raises(FileNotFoundError, match="no finalised checkpoint"):
     reader.restore_model()
   reader.close()
+
+
+# ------------------------------------------------------------------------------------------------
+# Integrity: a tree that does not fit, damaged steps, the conversion hook.
+
+
+def _damage(step_dir: str, fault: str) -> None:
+  """Makes a finalised step unreadable as a crash or a full disk would: 'truncate' halves the
+  data files of the 'model' item (with arrays this small, which file holds which array is up to
+  tensorstore), 'ocdbt' deletes its ocdbt.process_0/ directory."""
+  data_dir = os.path.join(step_dir, "model", "ocdbt.process_0")
+  if fault == "ocdbt":
+    shutil.rmtree(data_dir)
+    return
+  for name in os.listdir(os.path.join(data_dir, "d")):
+    path = os.path.join(data_dir, "d", name)
+    with open(path, "r+b") as f:
+      f.truncate(os.path.getsize(path) // 2)
+
+
+def _saved(directory, steps):
+  ckpt = Checkpointer(directory, CheckpointConfig(keep_last=5, async_save=False))
+  for step in steps:
+    ckpt.save(step, **_state(step, big=True),
+              meta={"stage": 0, "seq_len": 8, "data_position": step})
+  ckpt.wait()
+  ckpt.close()
+
+
+def test_tree_that_does_not_fit_is_named_before_reading(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  _saved(directory, [1])
+  template = _state(2, big=True)
+  template["params"]["embedding"] = jnp.zeros((5, 6), jnp.float32)       # a changed width
+  template["params"]["layer_0"]["scale"] = jnp.zeros((3,), jnp.bfloat16)  # a changed dtype
+  del template["params"]["layer_0"]["w"]                                   # a removed weight
+  template["opt_state"] = optax.chain(optax.clip_by_global_norm(1.0),
+                                      optax.adamw(1e-3)).init(template["params"])
+  ckpt = Checkpointer(directory, CheckpointConfig())
+  with pytest.raises(IncompatibleCheckpointError) as info:
+    ckpt.restore_latest(**template)
+  ckpt.close()
+  diffs = info.value.differences
+  assert "params/embedding: stored float32[5, 4], expected float32[5, 6]" in diffs
+  assert "params/layer_0/scale: stored float32[3], expected bfloat16[3]" in diffs
+  assert "params/layer_0/w: stored float32[4, 3], not in the model" in diffs
+  # The optimizer moments follow the parameters they belong to (named by field, as stored).
+  assert any(d.startswith("opt_state/1/0/mu/embedding:") for d in diffs)
+  assert os.listdir(directory) == ["1"]   # nothing moved: the checkpoint is not damaged
+
+
+@pytest.mark.parametrize("fault", ["truncate", "ocdbt"])
+def test_damaged_newest_step_is_moved_aside_and_the_previous_one_restored(tmp_path, fault):
+  directory = str(tmp_path / "ckpt")
+  _saved(directory, [2, 4])
+  _damage(os.path.join(directory, "4"), fault)
+  lines = []
+  ckpt = Checkpointer(directory, CheckpointConfig())
+  out = ckpt.restore_latest(**_state(9, big=True), log=lines.append)
+  assert ckpt.all_steps() == [2]
+  ckpt.close()
+  assert out["meta"]["step"] == 2
+  _assert_trees_equal(out["params"], _state(2, big=True)["params"])
+  assert len(lines) == 1 and lines[0].startswith("checkpoint step 4 cannot be read (")
+  assert "moved to" in lines[0] and "\n" not in lines[0]
+  assert sorted(os.listdir(directory)) == ["2", "corrupt"]
+  assert os.listdir(os.path.join(directory, "corrupt")) == ["4"]
+
+
+def test_read_only_reader_skips_a_damaged_step_without_moving_it(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  _saved(directory, [2, 4])
+  _damage(os.path.join(directory, "4"), "truncate")
+  lines = []
+  reader = Checkpointer(directory, CheckpointConfig(), read_only=True)
+  params, _, meta = reader.restore_model(log=lines.append)
+  assert meta["step"] == 2
+  _assert_trees_equal(params, _state(2, big=True)["params"])
+  assert len(lines) == 1 and "skipping it" in lines[0]
+  with pytest.raises(CorruptCheckpointError, match="step 4 cannot be read"):
+    reader.restore_model(4)
+  with pytest.raises(RuntimeError, match="read_only"):
+    reader.save(5, **_state(5, big=True), meta={})
+  reader.close()
+  assert sorted(os.listdir(directory)) == ["2", "4"]
+
+
+def test_every_step_damaged_raises(tmp_path):
+  directory = str(tmp_path / "ckpt")
+  _saved(directory, [2])
+  _damage(os.path.join(directory, "2"), "ocdbt")
+  ckpt = Checkpointer(directory, CheckpointConfig())
+  with pytest.raises(CorruptCheckpointError, match="no checkpoint .* can be read: checkpoint step 2"):
+    ckpt.restore_latest(**_state(9, big=True), log=lambda line: None)
+  ckpt.close()
+
+
+def test_convert_restructures_an_old_tree(tmp_path):
+  """A checkpoint with an old parameter structure restores through `convert`: here the old
+  'layer_0' subtree has become 'block' (as a scan-over-layers conversion would rename and stack);
+  the optimizer moments are converted the same way."""
+  directory = str(tmp_path / "ckpt")
+  _saved(directory, [3])
+  old = _state(3, big=True)
+
+  def rename(tree):
+    if isinstance(tree, dict):
+      return {("block" if k == "layer_0" else k): rename(v) for k, v in tree.items()}
+    if isinstance(tree, (list, tuple)):
+      return type(tree)(rename(v) for v in tree)
+    return tree
+
+  template = _state(8, big=True)
+  template["params"] = rename(template["params"])
+  opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3))
+  template["opt_state"] = opt.init(template["params"])
+  calls = []
+
+  def convert(item, tree):
+    calls.append(item)
+    return rename(tree)
+
+  ckpt = Checkpointer(directory, CheckpointConfig())
+  with pytest.raises(IncompatibleCheckpointError, match="params/block/w: not stored"):
+    ckpt.restore(3, **template)
+  out = ckpt.restore(3, **template, convert=convert)
+  ckpt.close()
+  assert "model" in calls and "train" in calls
+  _assert_trees_equal(out["params"], rename(old["params"]))
+  assert jax.tree.structure(out["opt_state"]) == jax.tree.structure(template["opt_state"])
+  np.testing.assert_array_equal(out["opt_state"][1][0].mu["block"]["w"],
+                                old["opt_state"][1][0].mu["layer_0"]["w"])
+
+
+def test_config_differences():
+  old = "# model\nModelConfig.d_model = 64\nModelConfig.num_layers = 4\nConfig.seed = 0\n"
+  new = "# model\nModelConfig.d_model = 96\nModelConfig.num_layers = 4\nConfig.seed = 0\n" \
+        "ModelConfig.remat = 'full'\n"
+  assert config_differences(old, new) == ["ModelConfig.d_model: 64 -> 96",
+                                          "ModelConfig.remat: (unset) -> 'full'"]
+  assert config_differences(old, old) == []
