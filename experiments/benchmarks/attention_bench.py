@@ -1,0 +1,269 @@
+"""Packed-document softmax attention on one GPU: the previous dense-mask path against the new ones.
+
+MLA's head dims (H 6, q/k 192, v 128), bf16, B 1, causal within documents. Variants:
+  dense_mask_cudnn    the previous k3jax path (copied here): a [B, T, T] mask from segment ids,
+                      cuDNN with it as a [B, 1, T, T] mask, V padded to 192.
+  cudnn_causal        cuDNN, plain causal over the whole row, no mask (the reference speed; not
+                      document attention, so no numerics row).
+  tokamax             tokamax Mosaic GPU, Mask(k_start=document start, is_causal=True), its stock
+                      sm90 backward.
+  tokamax_pallas_bwd  the same forward, pallas_kernels.flash_attention's backward (skips blocks
+                      outside the documents); one row per --pallas-configs entry.
+  pallas              pallas_kernels.flash_attention forward and backward; one row per entry.
+  cudnn_packed        cuDNN's packed (THD) layout, one sequence per document (max_documents 16).
+  xla                 k3jax's blockwise XLA path (only up to --xla-max-t tokens).
+
+Timing shapes: T = 8192 with 1 document, and T = 65536 with 8 documents whose lengths are a
+uniform random partition of the row (7 distinct cut points drawn uniformly without replacement,
+numpy seed 0; printed in the row), no padding. ms per call: median over 5 batches of 20 calls
+dispatched back to back and synchronised once, after a warm-up of at least 0.3 s; "fwd" is the
+jitted forward, "fwdbwd" the jitted VJP (output and dq, dk, dv).
+
+Numerics (T = 2048 and 8192, packed: documents as above plus a padding tail of T/16 tokens): error
+ratio RMS(x - ref) / RMS(ref) (tests/testlib.py `error_ratio`) of the output and dq, dk, dv against
+a dense fp32 computation (HIGHEST precision) from the same bf16 inputs; the issue's bound is 0.01.
+
+One JSON line per result; a variant that fails prints {"error": ...} and the run goes on.
+Run (one H200): PYTHONPATH=. python experiments/benchmarks/attention_bench.py
+--smoke: small shapes on CPU (XLA and the Pallas kernels in the interpreter).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import time
+import traceback
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from k3jax.ops import attention_gpu  # noqa: E402
+from k3jax.ops.attention import attention  # noqa: E402
+from pallas_kernels.flash_attention import FlashConfig  # noqa: E402
+
+VARIANTS = ("dense_mask_cudnn", "cudnn_causal", "tokamax", "tokamax_pallas_bwd", "pallas",
+            "cudnn_packed", "xla")
+# block_q, block_k, block_q_dkv, block_k_dkv, num_warps, num_stages (the same launch for all three
+# kernels). Head dim 192 is padded to 256 inside the kernels: 64-row tiles keep q, k, v of a step
+# within the H200's shared memory at 2 stages.
+PALLAS_CONFIGS = ("64,64,64,64,4,2", "128,64,64,128,8,2", "64,64,64,64,4,3", "128,32,32,128,8,2")
+
+_T0 = time.time()
+
+
+def emit(**row):
+  row["wall_s"] = round(time.time() - _T0, 1)
+  print(json.dumps(row), flush=True)
+
+
+def flash_config(spec: str, interpret: bool) -> FlashConfig:
+  bq, bk, bq_dkv, bk_dkv, warps, stages = (int(x) for x in spec.split(","))
+  launch = (warps, stages)
+  return FlashConfig(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
+                     fwd_launch=launch, dq_launch=launch, dkv_launch=launch, interpret=interpret)
+
+
+def segments(t: int, n_docs: int, pad: int, seed: int = 0) -> np.ndarray:
+  """[1, t] int32: n_docs documents (uniform random partition of t - pad tokens), then pad zeros."""
+  rng = np.random.default_rng(seed)
+  cuts = np.sort(rng.choice(np.arange(1, t - pad), size=n_docs - 1, replace=False))
+  bounds = [0, *cuts.tolist(), t - pad]
+  seg = np.zeros((1, t), np.int32)
+  for doc, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:]), start=1):
+    seg[0, lo:hi] = doc
+  return seg
+
+
+def doc_lengths(seg: np.ndarray) -> list[int]:
+  ids, counts = np.unique(seg[0][seg[0] != 0], return_counts=True)
+  return [int(c) for _, c in sorted(zip(ids, counts))]
+
+
+def previous_dense_mask_cudnn(q, k, v, seg, *, scale):
+  """The attention path before this benchmark's variants (k3jax main at 2400dae): a dense mask."""
+  mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+  t = q.shape[1]
+  mask &= jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+  d, dv = q.shape[-1], v.shape[-1]
+  v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
+  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
+                                     implementation="cudnn")[..., :dv]
+  return out * jnp.any(mask, axis=-1)[:, :, None, None].astype(out.dtype)
+
+
+def variant_fns(name: str, seg, scale: float, args) -> list[tuple[str, object]]:
+  """[(label, f(q, k, v) -> out)] for one variant (several for the Pallas configurations)."""
+  seg = jnp.asarray(seg)
+  if name == "dense_mask_cudnn":
+    return [(name, lambda q, k, v: previous_dense_mask_cudnn(q, k, v, seg, scale=scale))]
+  if name == "cudnn_causal":
+    return [(name, lambda q, k, v: attention_gpu.cudnn_causal_attention(q, k, v, scale=scale,
+                                                                          causal=True))]
+  if name == "tokamax":
+    return [(name, lambda q, k, v: attention_gpu.tokamax_attention(q, k, v, seg, scale=scale,
+                                                                     causal=True))]
+  if name in ("tokamax_pallas_bwd", "pallas"):
+    forward = "tokamax" if name == "tokamax_pallas_bwd" else "pallas"
+    out = []
+    for spec in args.pallas_configs.split(";"):
+      cfg = flash_config(spec, interpret=args.smoke)
+      out.append((f"{name}[{spec}]", functools.partial(
+          lambda q, k, v, cfg, forward: attention_gpu.pallas_attention(
+              q, k, v, seg, scale=scale, causal=True, forward=forward, config=cfg),
+          cfg=cfg, forward=forward)))
+    return out
+  if name == "cudnn_packed":
+    return [(name, lambda q, k, v: attention_gpu.cudnn_packed_attention(
+        q, k, v, seg, scale=scale, causal=True, max_documents=args.max_documents))]
+  if name == "xla":
+    return [(name, lambda q, k, v: attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg,
+                                             scale=scale, implementation="xla"))]
+  raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
+
+
+def inputs(t: int, h: int, d: int, dv: int, seed: int = 0):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 4)
+  mk = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
+  return (mk(ks[0], (1, t, h, d)), mk(ks[1], (1, t, h, d)), mk(ks[2], (1, t, h, dv)),
+          mk(ks[3], (1, t, h, dv)))
+
+
+def vjp_fn(f):
+  def run(q, k, v, do):
+    out, pull = jax.vjp(f, q, k, v)
+    return (out, *pull(do))
+  return run
+
+
+def time_ms(fn, args, reps: int = 20, warmup: int = 3, min_warmup_s: float = 0.3,
+            batches: int = 5) -> float:
+  t0, n = time.perf_counter(), 0
+  while n < warmup or time.perf_counter() - t0 < min_warmup_s:
+    jax.block_until_ready(fn(*args))
+    n += 1
+  ts = []
+  for _ in range(batches):
+    t = time.perf_counter()
+    for _ in range(reps):
+      out = fn(*args)
+    jax.block_until_ready(out)
+    ts.append((time.perf_counter() - t) * 1e3 / reps)
+  return statistics.median(ts)
+
+
+def error_ratio(a, b) -> float:
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
+    return float("nan")
+  denom = np.sqrt(np.mean(b * b))
+  num = np.sqrt(np.mean((a - b) ** 2))
+  return float(num / denom) if denom > 0 else float(num)
+
+
+def dense_reference(q, k, v, seg, *, scale):
+  """fp32 dense masked attention (HIGHEST precision), zeros at padding queries."""
+  q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+  t = q.shape[1]
+  mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+  mask &= jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+  logits = jnp.einsum("bthd,bshd->bhts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  m = jnp.max(logits, axis=-1, keepdims=True)
+  p = jnp.exp(logits - jnp.where(jnp.isneginf(m), 0.0, m))
+  den = jnp.sum(p, axis=-1, keepdims=True)
+  p = p / jnp.where(den > 0, den, 1.0)
+  return jnp.einsum("bhts,bshv->bthv", p, v, precision=jax.lax.Precision.HIGHEST)
+
+
+def numerics(args, t: int, h: int, d: int, dv: int):
+  seg = segments(t, args.numerics_docs, pad=t // 16, seed=1)
+  scale = d ** -0.5
+  q, k, v, do = inputs(t, h, d, dv, seed=1)
+  ref = jax.jit(vjp_fn(functools.partial(dense_reference, seg=jnp.asarray(seg), scale=scale)))
+  want = jax.block_until_ready(ref(q, k, v, do.astype(jnp.float32)))
+  for name in args.variants.split(","):
+    if name == "cudnn_causal":
+      continue  # not document attention
+    try:
+      fns = variant_fns(name, seg, scale, args)
+    except Exception as e:  # pylint: disable=broad-except
+      emit(kind="numerics", variant=name, T=t, error=f"{type(e).__name__}: {e}")
+      continue
+    for label, f in fns:
+      try:
+        got = jax.block_until_ready(jax.jit(vjp_fn(f))(q, k, v, do))
+        ratios = {n: error_ratio(g.astype(jnp.float32), w) for n, g, w in
+                  zip(("out", "dq", "dk", "dv"), got, want)}
+        emit(kind="numerics", variant=label, T=t, docs=doc_lengths(seg), **ratios,
+             ok=all(r <= 0.01 for r in ratios.values()))
+      except Exception as e:  # pylint: disable=broad-except
+        emit(kind="numerics", variant=label, T=t, error=f"{type(e).__name__}: {e}"[:2000],
+             trace=traceback.format_exc()[-1500:])
+
+
+def timings(args, t: int, n_docs: int, h: int, d: int, dv: int):
+  seg = segments(t, n_docs, pad=0, seed=0)
+  scale = d ** -0.5
+  q, k, v, do = inputs(t, h, d, dv)
+  for name in args.variants.split(","):
+    if name == "xla" and t > args.xla_max_t:
+      continue
+    try:
+      fns = variant_fns(name, seg, scale, args)
+    except Exception as e:  # pylint: disable=broad-except
+      emit(kind="time", variant=name, T=t, error=f"{type(e).__name__}: {e}")
+      continue
+    for label, f in fns:
+      for mode in args.modes.split(","):
+        try:
+          if mode == "fwd":
+            ms = time_ms(jax.jit(f), (q, k, v), reps=args.reps)
+          else:
+            ms = time_ms(jax.jit(vjp_fn(f)), (q, k, v, do), reps=args.reps)
+          emit(kind="time", variant=label, mode=mode, T=t, H=h, D=d, Dv=dv, docs=doc_lengths(seg),
+               ms=round(ms, 4))
+        except Exception as e:  # pylint: disable=broad-except
+          emit(kind="time", variant=label, mode=mode, T=t, error=f"{type(e).__name__}: {e}"[:2000],
+               trace=traceback.format_exc()[-1500:])
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--variants", default=",".join(VARIANTS))
+  p.add_argument("--modes", default="fwd,fwdbwd")
+  p.add_argument("--shapes", default="8192x1,65536x8", help="TxDOCS,... for the timings")
+  p.add_argument("--numerics-t", default="2048,8192", help="T of the numerics rows ('' for none)")
+  p.add_argument("--numerics-docs", type=int, default=8)
+  p.add_argument("--heads", type=int, default=6)
+  p.add_argument("--head-dim", type=int, default=192)
+  p.add_argument("--v-dim", type=int, default=128)
+  p.add_argument("--pallas-configs", default=";".join(PALLAS_CONFIGS),
+                 help="';'-separated block_q,block_k,block_q_dkv,block_k_dkv,warps,stages")
+  p.add_argument("--max-documents", type=int, default=16, help="cudnn_packed's static bound")
+  p.add_argument("--xla-max-t", type=int, default=8192)
+  p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--smoke", action="store_true",
+                 help="small shapes on CPU: xla and pallas (interpreter) variants")
+  args = p.parse_args()
+  if args.smoke:
+    args.variants = "xla,pallas,tokamax"
+    args.shapes, args.numerics_t, args.numerics_docs = "256x1,512x4", "256", 4
+    args.heads, args.head_dim, args.v_dim = 2, 48, 32
+    args.pallas_configs, args.reps, args.xla_max_t = "32,32,32,32,4,2", 2, 512
+  emit(kind="setup", backend=jax.default_backend(), devices=[str(x) for x in jax.devices()],
+       jax=jax.__version__, variants=args.variants)
+  for t in (int(x) for x in args.numerics_t.split(",") if x):
+    numerics(args, t, args.heads, args.head_dim, args.v_dim)
+  for shape in args.shapes.split(","):
+    t, n_docs = (int(x) for x in shape.split("x"))
+    timings(args, t, n_docs, args.heads, args.head_dim, args.v_dim)
+
+
+if __name__ == "__main__":
+  main()
