@@ -12,11 +12,17 @@ Scope: k3jax's top-level jits (the training step, evaluation, decoding, and eage
 ops) carry the option. A jit of your own around k3jax code does not; on XLA:CPU set it for the
 whole process before JAX starts, as the test suite does (tests/conftest.py):
   XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=
+
+The persistent compilation cache (`enable_compilation_cache`, the CLIs' --compilation_cache_dir):
+compiled executables are written to a folder and read back by the next process that compiles the
+same computation with the same jax, backend and options, so that a restarted run skips the
+minutes of compiling the initialisation and the training step (small.gin on an H200: ~3 minutes).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 from typing import Any, Callable
 
 import jax
@@ -72,3 +78,45 @@ def lazy_jit(fun: Callable, **jit_kwargs: Any) -> Callable:
     return build(jax.default_backend())(*args, **kwargs)
 
   return call
+
+
+# The CLIs' default for --compilation_cache_dir.
+DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/k3jax/jax_cache"
+COMPILATION_CACHE_FLAG_HELP = (
+    "Folder of JAX's persistent compilation cache: a rerun with the same config, shapes and jax "
+    "version loads the compiled initialisation and steps instead of compiling them again. "
+    "Empty disables the cache.")
+
+
+def enable_compilation_cache(path: str) -> str:
+  """Turns JAX's persistent compilation cache on in `path` (created if missing; '~' expanded), or
+  off for the whole process when `path` is empty. Returns the absolute folder ('' when off).
+
+  Every compiled computation is cached, whatever its compile time and size: JAX's defaults skip
+  those compiled in under a second, which on a fast machine is some of a run's start-up (the
+  evaluation's and the decoder's small jits), and reading one back is cheaper than compiling it.
+  Call before the first compilation of the process: JAX sets its cache up once, at the first
+  compile that asks for it.
+  """
+  if not isinstance(path, str):
+    raise TypeError(f"compilation cache path must be a str, got {type(path).__name__}")
+  if not path:
+    jax.config.update("jax_enable_compilation_cache", False)
+    return ""
+  folder = os.path.abspath(os.path.expanduser(path))
+  os.makedirs(folder, exist_ok=True)
+  jax.config.update("jax_enable_compilation_cache", True)
+  jax.config.update("jax_compilation_cache_dir", folder)
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  # -1: no size threshold at all (0 would let JAX substitute a per-filesystem minimum).
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+  return folder
+
+
+def define_compilation_cache_flag() -> None:
+  """Defines the absl flag --compilation_cache_dir (once per process: several CLI modules may be
+  imported together)."""
+  from absl import flags
+  if "compilation_cache_dir" not in flags.FLAGS:
+    flags.DEFINE_string("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR,
+                        COMPILATION_CACHE_FLAG_HELP)

@@ -200,6 +200,7 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   FLAGS = flags.FLAGS
+  compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   try:
     results = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.seq_len)
   except (config_lib.ConfigError, FileNotFoundError, ValueError) as e:
@@ -219,6 +220,7 @@ def _define_flags():
   flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
   flags.DEFINE_integer("seq_len", None,
                        "Training length for the evaluation (default: the checkpoint's stage).")
+  compiler.define_compilation_cache_flag()
 
 
 if __name__ == "__main__":

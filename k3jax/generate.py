@@ -92,6 +92,7 @@ flags.DEFINE_integer("max_new_tokens", 64, "tokens to sample.")
 flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0 is greedy.")
 flags.DEFINE_integer("top_k", 0, "sample among the top-k tokens (0: all).")
 flags.DEFINE_integer("seed", 0, "sampling seed.")
+compiler.define_compilation_cache_flag()
 
 
 def restore_for_inference(workdir: str, step: Optional[int] = None
@@ -115,6 +116,7 @@ def _load(argv_flags) -> tuple[config_lib.Config, dict, str]:
 
 def main(argv):
   del argv
+  compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   try:
     cfg, variables, source = _load(FLAGS)
   except (config_lib.ConfigError, FileNotFoundError, ValueError) as e:

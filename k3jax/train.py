@@ -636,6 +636,7 @@ def main(argv):
   from absl import logging
   logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
   FLAGS = flags.FLAGS
+  compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   try:
     cfg = config_from_flags(FLAGS.gin_file or [], FLAGS.gin_bindings or [], FLAGS.mesh)
@@ -670,6 +671,7 @@ def define_flags():
                      "(0: a default by backend).")
   flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
   flags.DEFINE_bool("tensorboard", True, "Write TensorBoard events to DIR/tb.")
+  compiler.define_compilation_cache_flag()
 
 
 if __name__ == "__main__":

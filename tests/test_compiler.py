@@ -1,4 +1,5 @@
-"""k3jax.compiler: the XLA:CPU work-around, checked on the shape that crashed without it."""
+"""k3jax.compiler: the XLA:CPU work-around, checked on the shape that crashed without it, and the
+persistent compilation cache of the CLIs."""
 
 import os
 import subprocess
@@ -8,6 +9,8 @@ import textwrap
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
+from testlib import TINY_RUN_BINDINGS
 
 from k3jax import compiler
 
@@ -63,3 +66,51 @@ def test_chunk_kda_gradient_that_crashed_xla_cpu():
                        timeout=600, env=env)
   assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
   assert "ok" in out.stdout
+
+
+def _run(args, env_extra=None, timeout=600):
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  env.update(env_extra or {})
+  out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                       env=env, cwd=_REPO)
+  assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+  return out
+
+
+@pytest.mark.slow
+def test_cli_compilation_cache_is_written_then_read(tmp_path):
+  """The generate CLI run twice with one --compilation_cache_dir: the first run fills the folder,
+  the second compiles nothing new (every computation is found there, so no entry is added)."""
+  cache = tmp_path / "cache"
+  bindings = [f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS]
+  args = ["-m", "k3jax.generate", "--gin_file=gin_configs/tiny.gin", *bindings,
+          "--max_new_tokens=1", f"--compilation_cache_dir={cache}"]
+  _run(args)
+  first = sorted(os.listdir(cache))
+  assert first, "the first run wrote no cache entries"
+  _run(args)
+  assert sorted(os.listdir(cache)) == first
+
+
+def test_empty_path_disables_the_cache(tmp_path):
+  """enable_compilation_cache('') turns the cache off even where JAX's own setting
+  (JAX_COMPILATION_CACHE_DIR) would turn it on; a path turns it on with every entry kept."""
+  script = textwrap.dedent("""
+      import sys, jax, jax.numpy as jnp
+      from k3jax import compiler
+      folder = compiler.enable_compilation_cache(sys.argv[1])
+      jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(4.0)).block_until_ready()
+      print(repr(folder))
+  """)
+  off, on = tmp_path / "off", tmp_path / "on"
+  # Without the call, these settings alone make this process write its compile into `off`.
+  out = _run(["-c", script, ""], {"JAX_COMPILATION_CACHE_DIR": str(off),
+                                  "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
+  assert out.stdout.strip() == "''"
+  assert not off.exists() or not os.listdir(off)
+  out = _run(["-c", script, str(on)])
+  assert out.stdout.strip() == repr(str(on))
+  assert os.listdir(on)  # a sub-second compile is cached too
