@@ -2,8 +2,8 @@
 (torch.profiler), same inputs as kda_bench.
 
 kda_bench times whole calls, and each Pallas kernel alone on inputs prepared outside; this traces
-the whole call and sums the device time of every kernel it launches (XLA fusions included, such
-as the q/k L2 norm outside the Pallas kernels), averaged over the traced calls. One JSON line per
+the whole call and sums the device time of every kernel it launches (the XLA fusions between the
+Pallas kernels included), averaged over the traced calls. One JSON line per
 (impl, mode, kernel), then one per (impl, mode) with the total and the number of kernels.
 
 Run (GPU): PYTHONPATH=. python experiments/benchmarks/kda_profile.py --shape 8,4096,16,128

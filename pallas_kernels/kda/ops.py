@@ -75,26 +75,26 @@ def _forward(cfg, residuals, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, l
                            out_dtype=v.dtype)
   vn, hs, ht = kk.scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=dseg)
   o = kk.out_fwd(cfg, qg, hs, P, vn, v.dtype)
-  # The backward's kernels read the normalised q, k; the norm's own gradient the raw ones.
+  # The backward's kernels read the normalised q, k; the norm's own gradient (in gate_bwd) the
+  # raw ones and the reciprocal norms.
   qn, kn = outs[6:8] if norm else (q, k)
-  res = (q, k, qn, kn, rq, rk, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq,
-         first, last, dseg)
+  norm_res = (q, k, rq, rk) if norm else None
+  res = (qn, kn, norm_res, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first,
+         last, dseg)
   return (o, ht), res
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _core_bwd(cfg, res, cts):
-  (q, k, qn, kn, rq, rk, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first,
-   last, dseg) = res
-  norm = cfg.qk_l2norm
+  (qn, kn, norm_res, v, g, beta, a_log, dt_bias, G, X, P, M, W, kg, qg, vn, hs, seq, first, last,
+   dseg) = res
   cfg = dataclasses.replace(cfg, qk_l2norm=False)  # the backward's kernels read qn, kn
   do, dht = cts
   dhs, dvn, dh0 = kk.scan_bwd(cfg, qg, kg, G, W, P, do, dht.astype(jnp.float32), seq, first, last,
                               dseg=dseg)
   dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, qn, kn, v, beta, G, vn, M, X, hs, dhs, dvn,
                                                   do, dseg=dseg)
-  outs = kk.intra_bwd(cfg, qn, kn, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias,
-                      norm=(q, k, rq, rk) if norm else None)
+  outs = kk.intra_bwd(cfg, qn, kn, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias, norm=norm_res)
   dq, dk, dg = outs[:3]
   if cfg.gate == "none":
     da, ddt = None, None
