@@ -137,7 +137,8 @@ def test_against_xla_cost_analysis():
   * cost analysis counts a while loop's body once, not once per trip: the chunked KDA op (a scan
     over chunks and a loop in its triangular inverse) is therefore taken out on both sides: XLA's
     count of `chunk_kda` alone at the layer's shapes is subtracted, and our eq. 13 term left out;
-  * the XLA attention computes the whole T x T square and masks it: our causal term x 2T/(T+1);
+  * the XLA attention computes the whole T x T square and masks it (T = 128 is one of its
+    key/query blocks, so no block is skipped): our causal term x 2T/(T+1);
   * XLA:CPU lowers `ragged_dot` densely, every assignment row against every expert: our routed
     term x moe_num_experts.
   """
@@ -178,3 +179,21 @@ def test_mfu_uses_the_flop_count():
   assert metrics.mfu(fpt, 1000.0, 2 * fpt * 1000.0) == pytest.approx(0.5)
   with pytest.raises(ValueError, match="flops_per_token"):
     metrics.mfu(0.0, 1000.0, 1e12)
+
+
+def test_medium_gin_counts_are_those_of_its_header():
+  """gin_configs/medium.gin: the parameter and FLOP counts its header states, and its brief
+  (1-2 B total, 0.3-0.5 B active, d_model >= 1536)."""
+  import os
+  path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "gin_configs",
+                      "medium.gin")
+  cfg = config_lib.from_gin([path])
+  total, active = model_lib.count_params(cfg.model)
+  assert (total, active) == (1_623_705_488, 455_064_464)
+  assert 1e9 <= total <= 2e9 and 0.3e9 <= active <= 0.5e9 and cfg.model.d_model >= 1536
+  header = "".join(line for line in open(path) if line.startswith("#"))
+  assert f"{total:,}" in header and f"{active:,}" in header
+  for seq_len, text in ((8192, "3.17 G"), (65536, "5.81 G"), (262144, "14.9 G"),
+                        (1048576, "51.1 G")):
+    assert text in header
+    assert float(text[:-2]) == pytest.approx(flops.flops_per_token(cfg, seq_len) / 1e9, abs=0.05)
