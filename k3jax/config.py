@@ -110,6 +110,10 @@ class ModelConfig:
   #   again in the backward); 'dots': also the outputs of matmuls without batch dimensions
   #   (jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
   remat: str = "none"
+  # Run the repeated middle of the decoder as one `nn.scan` over groups of layers (compile time
+  # independent of depth; parameters stacked on a leading 'layers' axis). False: a Python loop over
+  # the layers, each with its own parameters (debugging, the reference of the tests).
+  scan_layers: bool = True
 
   def layer_kind(self, i: int) -> str:
     """'mla' or 'kda' for 0-based layer index i."""
@@ -138,6 +142,8 @@ class ModelConfig:
     _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
            f"one of {ATTENTION_IMPLS}", self.attention_impl)
     _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
+    _check(isinstance(self.scan_layers, bool), p + "scan_layers", "True or False",
+           self.scan_layers)
     _check(self.kda_chunk_size % 16 == 0, p + "kda_chunk_size", "a multiple of 16 (16, 32, 64, ...)",
            self.kda_chunk_size)
     lb = self.kda_gate_lower_bound

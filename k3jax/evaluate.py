@@ -26,6 +26,7 @@ import optax
 from k3jax import compiler
 from k3jax import config as config_lib
 from k3jax.data import synthetic
+from k3jax.model import scanned_to_unrolled
 
 PyTree = Any
 
@@ -45,11 +46,14 @@ def moe_stats_by_layer(moe_stats: Mapping) -> dict[str, dict[str, Any]]:
   """Flattens the sown 'moe_stats' collection to {layer name: {'load', 'max_vio', 'aux_loss'}}.
 
   The layer name is the path of the MoE module ('layer_3/moe'); sown values are tuples (one entry
-  per call), of which the last is taken. Layers are ordered by their layer number.
+  per call), of which the last is taken. Layers are ordered by their layer number. The stacked
+  stats of the decoder's scanned layers are split into their layers first
+  (`k3jax.model.scanned_to_unrolled`), so the names are those of the unrolled model.
   """
   out: dict[str, dict[str, Any]] = {}
   flat = jax.tree_util.tree_flatten_with_path(
-      moe_stats, is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, "_fields"))[0]
+      scanned_to_unrolled(moe_stats),
+      is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, "_fields"))[0]
   for path, value in flat:
     keys = [getattr(p, "key", getattr(p, "name", str(p))) for p in path]
     if isinstance(value, tuple):

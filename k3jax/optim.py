@@ -12,6 +12,9 @@ given to `common.logical_param`), never from shapes alone:
     convolution taps. Axes named 'heads' or 'expert' are batch axes, so each head / expert block is
     orthogonalised on its own (Per-Head Muon); the remaining two axes are (reduction, output) in
     x @ W order. Everything else goes to AdamW.
+  * The decoder's scanned layers (`k3jax.model`) stack their parameters on a leading axis named
+    'layers' (path through `scanned_period_{p}`): that axis is a batch axis for Muon and does not
+    count as a dimension for the rules above (a stacked norm scale [G, d] is still a vector).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import optax
 from optax.contrib import MuonDimensionNumbers
 
 from k3jax.config import ModelConfig, OptimizerConfig
+from k3jax.model import is_scanned_path
 
 PyTree = Any
 
@@ -37,7 +41,7 @@ NO_DECAY_NAMES = ("scale", "bias", "A_log", "dt_bias", "query")
 # (The SiTU-GLU 'gate' projection is an ordinary weight matrix and is decayed.)
 NO_DECAY_MODULE_PATTERN = re.compile(r"^router$")
 # Logical axis names treated as independent blocks by Muon (orthogonalised one by one).
-MUON_BATCH_AXES = ("heads", "expert")
+MUON_BATCH_AXES = ("heads", "expert", "layers")
 # Logical axis names whose parameters never go to Muon.
 MUON_EXCLUDED_AXES = ("vocab", "conv", "norm")
 
@@ -87,8 +91,14 @@ def lr_schedule(opt_cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
                                             decay_steps=total_steps, end_value=end)
 
 
+def _layer_ndim(names: Sequence[str], ndim: int) -> int:
+  """The rank of one layer's parameter: without the stacked axis of a scanned layer."""
+  return ndim - 1 if is_scanned_path(tuple(names)) else ndim
+
+
 def _is_no_decay(names: Sequence[str], ndim: int) -> bool:
-  if ndim < 2:
+  """ndim: the array's rank (a scanned layer's stacked axis is discounted here)."""
+  if _layer_ndim(names, ndim) < 2:
     return True
   if names and names[-1] in NO_DECAY_NAMES:
     return True
@@ -113,7 +123,7 @@ def muon_dimension_numbers(params: PyTree, axes: PyTree) -> PyTree:
   def rule(path, x, names):
     names = tuple(names)
     leaf_names = path_names(path)
-    if jnp.ndim(x) < 2 or _is_no_decay(leaf_names, jnp.ndim(x)):
+    if _is_no_decay(leaf_names, jnp.ndim(x)):
       return None
     if any(n in MUON_EXCLUDED_AXES for n in names):
       return None
@@ -231,6 +241,8 @@ def apply_qk_clip(params: PyTree, max_logits: Mapping[tuple, jax.Array], tau: fl
   Args:
     params: the model's params (nested dicts).
     max_logits: {path of the MLA module inside params (tuple of keys): [H] per-head max logits}.
+      A module of the decoder's scan (path through `scanned_period_{p}`) has stacked params and
+      [G, H] max logits, one row per group; each group's layer is clipped on its own.
   """
   params = jax.tree.map(lambda x: x, params)  # shallow structural copy of the dicts
 
@@ -241,5 +253,12 @@ def apply_qk_clip(params: PyTree, max_logits: Mapping[tuple, jax.Array], tau: fl
 
   for path, s_max in max_logits.items():
     parent = get(params, path[:-1])
-    parent[path[-1]] = qk_clip_mla(parent[path[-1]], s_max, tau, cfg)
+    if is_scanned_path(tuple(path)):
+      if jnp.ndim(s_max) != 2:
+        raise ValueError(f"max_logits of the scanned MLA module {'/'.join(path)} must be [G, H], "
+                         f"got {jnp.shape(s_max)}")
+      clip = lambda p, s: qk_clip_mla(p, s, tau, cfg)
+      parent[path[-1]] = jax.vmap(clip)(parent[path[-1]], s_max)
+    else:
+      parent[path[-1]] = qk_clip_mla(parent[path[-1]], s_max, tau, cfg)
   return params

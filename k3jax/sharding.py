@@ -14,9 +14,10 @@ the `expert` groups stay inside a host's NVLink domain and `data` spans hosts):
 Logical names (declared by the layers, `k3jax/layers/common.py`) are mapped by `LOGICAL_AXIS_RULES`:
 
   activation_batch -> ('data', 'expert')   activation_exp -> 'expert'    expert -> 'expert'
-  everything else  -> None (replicated); with fsdp=True, 'embed' -> ('data', 'expert') and the
-                      routed experts' 'latent' -> 'data' (ZeRO-3 style: XLA all-gathers weights
-                      before use).
+  everything else  -> None (replicated; so is 'layers', the stacked axis of the decoder's scanned
+                      layers); with fsdp=True, 'embed' -> ('data', 'expert') and the routed
+                      experts' 'latent' -> 'data' (ZeRO-3 style: XLA all-gathers weights before
+                      use).
 
 Typical use (see `k3jax/train.py`):
 
@@ -66,6 +67,8 @@ LOGICAL_AXIS_RULES: tuple = (
     ("q_lora", None),
     ("conv", None),
     ("norm", None),
+    # the stacked axis of the decoder's scanned layers (`k3jax.model`): one entry per group
+    ("layers", None),
 )
 
 # FSDP variant: the first matching free rule wins, so these go in front of the replicated ones.

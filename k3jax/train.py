@@ -52,7 +52,7 @@ from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_l
 from k3jax.evaluate import bytes_per_token, token_cross_entropy
 from k3jax.layers import moe as moe_layers
 from k3jax.flops import flops_per_token
-from k3jax.model import K3Model, init_variables
+from k3jax.model import K3Model, init_variables, is_scanned_path
 
 PyTree = Any
 # The collection in which MLA layers sow per-head max attention logits for QK-Clip: leaves named
@@ -225,14 +225,17 @@ def make_run_mesh(cfg: config_lib.Config):
 # ------------------------------------------------------------------------------------------------
 
 def _sown_max_logits(attn_stats: PyTree) -> dict:
-  """{path of the MLA module: [H] max logits} from the QK_STATS_COLLECTION collection."""
+  """{path of the MLA module: [H] max logits} from the QK_STATS_COLLECTION collection; [G, H], one
+  row per group, for a module of the decoder's scan (`k3jax.model.is_scanned_path`)."""
   out = {}
   for path, value in jax.tree_util.tree_flatten_with_path(attn_stats)[0]:
     names = optim.path_names(path)
     if "max_logits" not in names:
       continue
     module = names[:names.index("max_logits")]
-    out[module] = jnp.max(jnp.asarray(value).reshape(-1, jnp.shape(value)[-1]), axis=0)
+    value = jnp.asarray(value)
+    groups = (value.shape[0],) if is_scanned_path(module) else ()
+    out[module] = jnp.max(value.reshape(groups + (-1, value.shape[-1])), axis=-2)
   return out
 
 
@@ -359,7 +362,9 @@ def _combine_microbatch_stats(summed: PyTree, num_micro: int) -> PyTree:
     if "aux_loss" in out:
       out["aux_loss"] = out["aux_loss"] / num_micro
     if "load" in out and "max_vio" in out:
-      out["max_vio"] = moe_layers.max_violation(out["load"]).astype(layer["max_vio"].dtype)
+      # A scanned layer's load is [G, E] (one row per group): MaxVio of each row.
+      max_vio = jnp.vectorize(moe_layers.max_violation, signature="(e)->()")
+      out["max_vio"] = max_vio(out["load"]).astype(layer["max_vio"].dtype)
     return out
 
   def walk(tree):

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 
 from k3jax import config as config_lib
-from k3jax.model import K3Model, count_params, init_variables
+from k3jax.evaluate import moe_stats_by_layer
+from k3jax.model import K3Model, count_params, init_variables, layer_plan
+from k3jax.model import scanned_to_unrolled, unrolled_to_scanned
 from testlib import error_ratio
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
@@ -168,3 +170,146 @@ def test_init_variables_equals_model_init():
     jax.tree.map(np.testing.assert_array_equal, lazy[name], full[name])
   decode = jax.eval_shape(lambda: init_variables(cfg, rng, 2, 16, decode=True))
   assert sorted(decode) == ["cache", "moe_state", "params"]
+
+
+# ------------------------------------------------------------------------------------------------
+# The decoder as a scan (ModelConfig.scan_layers) against the unrolled loop
+# ------------------------------------------------------------------------------------------------
+
+def scan_cfg(**overrides) -> config_lib.ModelConfig:
+  """10 layers, mla_every 4, one dense layer: prefix layer 0, two scanned groups (1-4, 5-8) and
+  the final MLA layer 9 after them."""
+  base = dict(num_layers=10, d_model=32, kda_head_dim=16, kda_value_dim=16, mla_qk_nope_dim=16,
+              mla_v_dim=16, mla_kv_lora_rank=16, dense_ffn_dim=32, moe_latent_dim=16,
+              moe_expert_dim=16, moe_shared_dim=16)
+  return tiny_cfg(**{**base, **overrides})
+
+
+def test_layer_plan():
+  small = config_lib.from_gin([os.path.join(GIN_DIR, "small.gin")]).model
+  plan = layer_plan(small)
+  assert (plan.prefix, plan.start, plan.period, plan.num_groups, plan.suffix) == \
+      ((0,), 1, 4, 2, (9, 10, 11))
+  assert layer_plan(dataclasses.replace(small, num_layers=24)).num_groups == 5
+  assert layer_plan(dataclasses.replace(small, scan_layers=False)).prefix == tuple(range(12))
+  plan = layer_plan(scan_cfg(attnres_block_size=2))
+  assert (plan.prefix, plan.group_layers, plan.num_groups, plan.suffix) == \
+      ((0,), (1, 2, 3, 4), 2, (9,))
+  assert layer_plan(scan_cfg(num_layers=20, attnres_block_size=8)).period == 8   # lcm(4, 8)
+  assert layer_plan(scan_cfg(attnres_block_size=8)).num_groups == 0   # one group: no scan
+  assert layer_plan(scan_cfg(attnres=False, attnres_block_size=3)).period == 4
+  assert layer_plan(tiny_cfg()).num_groups == 0                           # tiny.gin: 4 layers
+  # Every scanned group has the first group's kinds, dense/MoE choice and AttnRes boundaries.
+  for cfg in (small, scan_cfg(attnres_block_size=2), dataclasses.replace(small, num_layers=23)):
+    plan = layer_plan(cfg)
+    signature = lambda i: (cfg.layer_kind(i), cfg.layer_uses_moe(i),
+                           i % cfg.attnres_block_size == 0)
+    for layer in plan.scanned_layers:
+      first = plan.start + (layer - plan.start) % plan.period
+      assert signature(layer) == signature(first), (cfg.num_layers, layer)
+
+
+def test_scan_layers_is_validated():
+  with pytest.raises(config_lib.ConfigError, match="ModelConfig.scan_layers"):
+    dataclasses.replace(tiny_cfg(), scan_layers="yes").validate()
+
+
+def _randomised(variables: dict, seed: int) -> dict:
+  """The variables with the zero-initialised DepthMix queries and QB biases set to random values
+  (so that the mixes are not uniform and routing depends on the bias)."""
+  rng = np.random.default_rng(seed)
+
+  def value(path, x):
+    if jax.tree_util.keystr(path).endswith("['query']") or \
+        jax.tree_util.keystr(path).endswith("['bias']"):
+      return jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
+    return x
+  return jax.tree_util.tree_map_with_path(value, variables)
+
+
+def _loss_and_grads(cfg, variables, tokens, segments):
+  model = K3Model(cfg)
+
+  def loss_fn(params):
+    logits, mutated = model.apply({**variables, "params": params}, tokens[:, :-1], segments,
+                                  update_balance=True, mutable=["moe_state", "moe_stats"])
+    logp = jax.nn.log_softmax(logits)
+    loss = -jnp.mean(jnp.take_along_axis(logp, tokens[:, 1:, None], axis=-1))
+    return loss, (logits, mutated)
+
+  (loss, (logits, mutated)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
+      variables["params"])
+  return loss, logits, grads, mutated
+
+
+@pytest.mark.parametrize("overrides", [
+    dict(attnres_block_size=2),
+    pytest.param(dict(attnres_block_size=4, remat="full"), marks=pytest.mark.slow),
+    pytest.param(dict(attnres=False, remat="dots"), marks=pytest.mark.slow),
+    pytest.param("tiny.gin", marks=pytest.mark.slow),
+], ids=["attnres_b2", "attnres_b4_remat_full", "prenorm_remat_dots", "tiny_gin"])
+def test_scan_equals_loop(overrides):
+  """Logits, loss, gradients, QB bias updates and per-layer MoE stats of the scanned decoder equal
+  the unrolled loop's, given the loop's variables converted with `unrolled_to_scanned`."""
+  cfg = tiny_cfg() if overrides == "tiny.gin" else scan_cfg(**overrides)
+  loop_cfg = dataclasses.replace(cfg, scan_layers=False)
+  loop_vars = _randomised(tiny_variables(loop_cfg), seed=3)
+  scan_vars = unrolled_to_scanned(loop_vars, cfg)
+  abstract = jax.eval_shape(lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0))))
+  assert jax.tree.structure(scan_vars) == jax.tree.structure(abstract)
+  assert jax.tree.map(jnp.shape, scan_vars) == jax.tree.map(jnp.shape, abstract)
+
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 17), 0, cfg.vocab_size)
+  segments = jnp.ones((2, 16), jnp.int32).at[1, 10:].set(2).at[0, 13:].set(0)
+  ref_loss, ref_logits, ref_grads, ref_mut = _loss_and_grads(loop_cfg, loop_vars, tokens, segments)
+  loss, logits, grads, mutated = _loss_and_grads(cfg, scan_vars, tokens, segments)
+
+  np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
+  assert abs(float(loss) - float(ref_loss)) <= 1e-5
+  grads = scanned_to_unrolled(grads)
+  assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
+  for (path, g), g_ref in zip(jax.tree_util.tree_leaves_with_path(grads),
+                              jax.tree_util.tree_leaves(ref_grads)):
+    assert float(jnp.max(jnp.abs(g - g_ref))) <= 1e-5 * max(1.0, float(jnp.max(jnp.abs(g_ref)))), \
+        jax.tree_util.keystr(path)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+               scanned_to_unrolled(mutated["moe_state"]), ref_mut["moe_state"])
+  stats, ref_stats = moe_stats_by_layer(mutated["moe_stats"]), moe_stats_by_layer(
+      ref_mut["moe_stats"])
+  assert list(stats) == list(ref_stats) == [f"layer_{i}/moe" for i in range(1, cfg.num_layers)]
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5), stats,
+               ref_stats)
+
+
+def test_layout_converters_round_trip_and_reject_partial_trees():
+  cfg = scan_cfg(attnres_block_size=2)
+  loop_cfg = dataclasses.replace(cfg, scan_layers=False)
+  params = jax.eval_shape(
+      lambda: nn.meta.unbox(init_variables(loop_cfg, jax.random.PRNGKey(0))))["params"]
+  params = jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape)
+                        + hash(s.shape) % 97, params)
+  scanned = unrolled_to_scanned(params, cfg)
+  assert sorted(k for k in scanned if k.startswith("layer_")) == ["layer_0", "layer_9"]
+  np.testing.assert_array_equal(scanned["scanned_period_4"]["layer_2"]["kda"]["q_proj"][1],
+                                params["layer_6"]["kda"]["q_proj"])
+  back = scanned_to_unrolled(scanned)
+  assert jax.tree.structure(back) == jax.tree.structure(params)
+  jax.tree.map(np.testing.assert_array_equal, back, params)
+  # Inside optimizer-state NamedTuples too, and untouched without a scan.
+  import optax
+  opt_state = optax.adam(1e-3).init(params)
+  converted = unrolled_to_scanned(opt_state, cfg)
+  assert jax.tree.structure(converted[0].mu) == jax.tree.structure(scanned)
+  assert unrolled_to_scanned(params, loop_cfg) is params
+  broken = {k: v for k, v in params.items() if k != "layer_5"}
+  with pytest.raises(ValueError, match="layer_5"):
+    unrolled_to_scanned(broken, cfg)
+
+
+def test_count_params_accepts_the_run_config_and_ignores_the_layout():
+  run_cfg = config_lib.from_gin([os.path.join(GIN_DIR, "small.gin")])
+  counts = count_params(run_cfg)
+  assert counts == count_params(run_cfg.model)
+  assert counts == count_params(dataclasses.replace(run_cfg.model, scan_layers=False))
+  with pytest.raises(TypeError, match="ModelConfig or a Config"):
+    count_params({"d_model": 64})

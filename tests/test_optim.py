@@ -190,3 +190,61 @@ def test_apply_qk_clip_by_path():
   assert params["layer_1"]["mla"]["wq"][0, 0, 0] == 1.0   # the input is not modified
   with pytest.raises(ValueError, match="max_logits"):
     optim.qk_clip_mla(params["layer_1"]["mla"], jnp.ones(3), 1.0, cfg)
+
+
+def _stacked(tree, groups):
+  """PARAMS_AXES-style specs with a leading 'layers' axis of `groups` entries (a scanned layer)."""
+  is_spec = lambda x: isinstance(x, tuple) and len(x) == 2 and isinstance(x[1], tuple)
+  return jax.tree.map(lambda s: ((groups,) + s[0], ("layers",) + s[1]), tree, is_leaf=is_spec)
+
+
+def test_scanned_layers_get_the_rules_of_unstacked_ones():
+  """A scanned layer's parameters (leading 'layers' axis, path through scanned_period_<p>) get
+  the decay mask and the Muon blocks of the same parameter in an unrolled layer."""
+  specs = {"layer_0": PARAMS_AXES["layer_0"],
+           "scanned_period_4": {"layer_1": _stacked(PARAMS_AXES["layer_0"], 3)}}
+  params, axes = _split(specs)
+  mask = optim.decay_mask(params)
+  dims = optim.muon_dimension_numbers(params, axes)
+  flat_mask = jax.tree_util.tree_leaves(mask["scanned_period_4"]["layer_1"])
+  assert flat_mask == jax.tree_util.tree_leaves(mask["layer_0"])
+  assert not mask["scanned_period_4"]["layer_1"]["attn_norm"]["scale"]   # [3, d]: still a vector
+  is_dims = lambda d: d is None or isinstance(d, optim.MuonDimensionNumbers)
+  shift = lambda d: None if d is None else optim.MuonDimensionNumbers(d.reduction_axis + 1,
+                                                                      d.output_axis + 1)
+  unrolled = jax.tree.map(shift, dims["layer_0"], is_leaf=is_dims)
+  assert jax.tree.leaves(dims["scanned_period_4"]["layer_1"], is_leaf=is_dims) == \
+      jax.tree.leaves(unrolled, is_leaf=is_dims)
+  assert dims["scanned_period_4"]["layer_1"]["mla"]["wq"] == optim.MuonDimensionNumbers(1, 3)
+
+
+def test_muon_orthogonalises_each_scanned_layer_on_its_own():
+  """Muon's update of a stacked [G, d_in, d_out] matrix is the per-layer update of each entry."""
+  rng = np.random.default_rng(1)
+  w = jnp.asarray(rng.normal(size=(3, 8, 12)), jnp.float32)
+  g = jnp.asarray(rng.normal(size=(3, 8, 12)), jnp.float32)
+  stacked = _muon_step({"scanned_period_4": {"layer_1": {"w": w}}},
+                       {"scanned_period_4": {"layer_1": {"w": ("layers", "embed", "mlp")}}},
+                       {"scanned_period_4": {"layer_1": {"w": g}}})
+  for i in range(3):
+    single = _muon_step({"layer_1": {"w": w[i]}}, {"layer_1": {"w": ("embed", "mlp")}},
+                        {"layer_1": {"w": g[i]}})
+    np.testing.assert_allclose(stacked["scanned_period_4"]["layer_1"]["w"][i],
+                               single["layer_1"]["w"], rtol=1e-5, atol=1e-6)
+
+
+def test_apply_qk_clip_on_a_scanned_layer_clips_each_group():
+  cfg = ModelConfig(mla_num_heads=2, mla_qk_nope_dim=4, mla_qk_rope_dim=2)
+  rng = np.random.default_rng(2)
+  wq = jnp.asarray(rng.normal(size=(3, 8, 2, 6)), jnp.float32)
+  wk_b = jnp.asarray(rng.normal(size=(3, 4, 2, 4)), jnp.float32)
+  s_max = jnp.array([[400.0, 50.0], [50.0, 50.0], [90.0, 250.0]])
+  path = ("scanned_period_4", "layer_3", "mla")
+  params = {path[0]: {path[1]: {"mla": {"wq": wq, "wk_b": wk_b}}}}
+  out = optim.apply_qk_clip(params, {path: s_max}, 100.0, cfg)[path[0]][path[1]]["mla"]
+  for i in range(3):
+    one = optim.qk_clip_mla({"wq": wq[i], "wk_b": wk_b[i]}, s_max[i], 100.0, cfg)
+    np.testing.assert_allclose(out["wq"][i], one["wq"], rtol=1e-6)
+    np.testing.assert_allclose(out["wk_b"][i], one["wk_b"], rtol=1e-6)
+  with pytest.raises(ValueError, match=r"\[G, H\]"):
+    optim.apply_qk_clip(params, {path: s_max[0]}, 100.0, cfg)

@@ -549,3 +549,28 @@ def test_project_checkpointer_restores_onto_another_mesh(tmp_path):
       np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
       assert got.sharding == tgt.sharding
   assert restored["params"]["layer_2"]["moe"]["w_out"].sharding.spec == P("expert", None, None)
+
+
+def test_scanned_layers_shard_their_experts_and_replicate_the_stacked_axis():
+  """With the decoder scanned, the stacked 'layers' axis is replicated, the routed experts stay
+  sharded on 'expert' (now their second axis), and the optimizer moments follow the params."""
+  cfg = dataclasses.replace(TINY, num_layers=10, mla_every=4, attnres_block_size=2)
+  model = K3Model(cfg)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
+  assert ("layers", None) in sharding.LOGICAL_AXIS_RULES
+  mesh = sharding.make_mesh("expert:8")
+  params = nn.meta.unbox(abstract)["params"]
+  opt = optax.adamw(1e-3)
+  state = {"params": params, "opt_state": jax.eval_shape(opt.init, params),
+           "moe_state": nn.meta.unbox(abstract)["moe_state"]}
+  specs = _specs(sharding.state_shardings(state, abstract, mesh))
+  scanned = specs["params"]["scanned_period_4"]
+  assert params["scanned_period_4"]["layer_2"]["moe"]["w_up"].shape[:2] == (2, 8)
+  assert scanned["layer_2"]["moe"]["w_up"] == P(None, "expert", None, None)
+  assert specs["opt_state"][0].mu["scanned_period_4"]["layer_2"]["moe"]["w_up"] == \
+      P(None, "expert", None, None)
+  assert scanned["layer_3"]["mla"]["wq"] == P(None, None, None, None)
+  assert specs["params"]["layer_0"]["ffn"]["gate"]["kernel"] == P(None, None)
+  fsdp = _specs(sharding.param_shardings(abstract, mesh, sharding.logical_axis_rules(fsdp=True)))
+  assert fsdp["params"]["scanned_period_4"]["layer_2"]["moe"]["w_up"] == \
+      P(None, "expert", "data", None)

@@ -37,7 +37,7 @@ Notes on that wiring:
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import flax.linen as nn
 import jax
@@ -66,13 +66,16 @@ class DepthMix(nn.Module):
   Attributes:
     config: model config (d_model via the sources' width, norm_eps, param_dtype).
   Parameter: 'query' [d] ('norm',), initialised to zero.
-  Call: sources, a non-empty sequence of [B, T, d] arrays of one dtype → h [B, T, d] in that dtype.
+  Call: sources, a non-empty sequence of [B, T, d] arrays of one dtype → h [B, T, d] in that dtype;
+  valid (optional), [len(sources)] bool: False leaves a source out of the softmax (the decoder's
+  scan keeps frozen blocks in fixed slots, some not yet written). At least one must be valid.
   The scores and the weighted sum are computed in fp32.
   """
   config: ModelConfig
 
   @nn.compact
-  def __call__(self, sources: Sequence[jax.Array]) -> jax.Array:
+  def __call__(self, sources: Sequence[jax.Array], valid: Optional[jax.Array] = None
+               ) -> jax.Array:
     if len(sources) == 0:
       raise ValueError("DepthMix: sources must be a non-empty sequence of [B, T, d] arrays")
     shape, dtype = sources[0].shape, sources[0].dtype
@@ -86,6 +89,10 @@ class DepthMix(nn.Module):
     keys = common.rms_norm(values, self.config.norm_eps)
     logits = jnp.einsum("s...d,d->s...", keys, query.astype(jnp.float32),
                         precision=jax.lax.Precision.HIGHEST)
+    if valid is not None:
+      if valid.shape != (len(sources),):
+        raise ValueError(f"DepthMix: valid must have shape [{len(sources)}], got {valid.shape}")
+      logits = jnp.where(valid.reshape((-1,) + (1,) * (logits.ndim - 1)), logits, -jnp.inf)
     alpha = jax.nn.softmax(logits, axis=0)
     return jnp.einsum("s...,s...d->...d", alpha, values,
                       precision=jax.lax.Precision.HIGHEST).astype(dtype)
