@@ -12,8 +12,9 @@ the row of the flattened [N·k] arrays. The routed output is
 Two ways to compute it, both pure and with static shapes:
 
 * dropless (capacity_factor == 0): stable-sort the assignments by expert, gather their rows of z and
-  run three grouped matmuls with the per-expert group sizes (`tiled_ragged_dot`, or
-  `jax.lax.ragged_dot` on TPU: `default_ragged_dot`). Nothing is dropped.
+  run three grouped matmuls with the per-expert group sizes (`default_ragged_dot`: tokamax's Mosaic
+  GPU kernel on the GPU, its XLA implementation on CPU, `jax.lax.ragged_dot` on TPU). Nothing is
+  dropped.
 * capacity (capacity_factor > 0): each expert gets a fixed buffer of C = ceil(capacity_factor·N·k/E)
   rows ([E, C, ℓ], batched einsum). The sort is stable, so within an expert the assignments are
   ordered by token index (then by slot j) and the first C are kept: the *latest* tokens of the batch
@@ -24,16 +25,20 @@ Assignments of invalid tokens (`valid` False, e.g. padding) are never computed a
 they sort after every expert's group, their output rows are zero, and they take no capacity.
 
 Gradients flow to z, the expert weights and expert_weight (the router); the integer routing is
-non-differentiable by construction.
+non-differentiable by construction. Every row movement (dispatch, capacity buffers, unsort) is a
+`gather_rows`, whose VJP is a gather with the inverse index map, and the group sizes and inverse
+permutation come from comparisons and a second sort: neither pass has a scatter.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+import tokamax
 
 RaggedDotFn = Callable[..., jax.Array]
 
@@ -101,22 +106,233 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   return jnp.where(real[:, None], y, 0).astype(out_dtype)
 
 
-def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
-  """The grouped matmul for ModelConfig.moe_grouped_matmul: 'ragged_dot' (jax.lax.ragged_dot),
-  'tiled' (`tiled_ragged_dot`), or 'auto' = 'tiled' on GPU and CPU, 'ragged_dot' on TPU.
+# The backward of a grouped matmul out = lhs @ rhs[group]: dlhs = dout @ rhs[group]^T (rhs's last
+# dimension contracted) and drhs[g] = lhs[rows of g]^T @ dout[rows of g] (the ragged dimension
+# contracted). These are the dimension numbers tokamax's own VJP uses (ragged_dot/base.py); its
+# Mosaic GPU op runs the first as its sm90 `ragged_dot_kernel` (after transposing rhs) and the
+# second as `ragged_contracting_dim_dot_kernel`.
+_DLHS_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[0])
+_DRHS_DIMS = jax.lax.RaggedDotDimensionNumbers(
+    dot_dimension_numbers=(([0], [0]), ([], [])), lhs_ragged_dimensions=[0],
+    rhs_group_dimensions=[])
 
-  XLA:GPU and XLA:CPU both lower ragged_dot with memory for every row against every expert: the
-  compiled training step of a 4-layer small.gin at 16K tokens asks XLA:CPU for 55.6 GiB of
-  temporaries with ragged_dot and 22.5 GiB tiled, at the same speed for tiny.gin on CPU (GPU:
-  experiments/benchmarks/RESULTS.md). TPU has a grouped-matmul lowering of its own (not
-  measured here)."""
+GROUPED_MATMULS = ("auto", "tokamax", "ragged_dot", "tiled")
+TOKAMAX_IMPLEMENTATIONS = ("mosaic", "xla")
+# Input dtypes of tokamax's Mosaic GPU kernel (pallas_mosaic_gpu_common.check_bf16xbf16_or_f16xf16).
+_MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+def _call_tokamax(fn, *args, implementation: str, **kwargs) -> jax.Array:
+  """`fn(*args, implementation=..., **kwargs)`, its NotImplementedError (tokamax's way of saying
+  that its kernel lacks a dtype or shape) turned into an error naming the config field."""
+  try:
+    return fn(*args, implementation=implementation, **kwargs)
+  except NotImplementedError as e:
+    shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape"))
+    raise ValueError(
+        f"ModelConfig.moe_grouped_matmul = 'tokamax': tokamax's {implementation!r} ragged_dot "
+        f"cannot run on {shapes} ({e}); choose 'tiled' or 'ragged_dot' for this model") from e
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation):
+  """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs."""
+  out = _call_tokamax(tokamax.ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
+                      implementation=implementation)
+  return jnp.where(_rows_in_groups(lhs.shape[0], group_sizes)[:, None], out, 0)
+
+
+def _tokamax_grouped_fwd(lhs, rhs, group_sizes, out_dtype, implementation):
+  return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation), (lhs, rhs,
+                                                                                group_sizes)
+
+
+def _tokamax_grouped_bwd(out_dtype, implementation, residuals, dout):
+  lhs, rhs, group_sizes = residuals
+  # Mosaic multiplies bf16 by bf16 (or f16 by f16) only: the fp32 cotangent of an fp32-accumulated
+  # output is rounded to the input dtype, as a bf16 matmul's backward would read it anyway.
+  dout = dout.astype(lhs.dtype)
+  dlhs = _call_tokamax(tokamax.ragged_dot_general, dout, rhs, group_sizes, _DLHS_DIMS,
+                       preferred_element_type=lhs.dtype, implementation=implementation)
+  drhs = _call_tokamax(tokamax.ragged_dot_general, lhs, dout, group_sizes, _DRHS_DIMS,
+                       preferred_element_type=rhs.dtype, implementation=implementation)
+  # The kernels never write the rows past the groups (uninitialised memory on the GPU).
+  dlhs = jnp.where(_rows_in_groups(lhs.shape[0], group_sizes)[:, None], dlhs, 0)
+  return dlhs, drhs, None
+
+
+_tokamax_grouped.defvjp(_tokamax_grouped_fwd, _tokamax_grouped_bwd)
+
+
+def _rows_in_groups(num_rows: int, group_sizes: jax.Array) -> jax.Array:
+  """[num_rows] bool: row r belongs to a group (r < Σ group_sizes)."""
+  return jnp.arange(num_rows, dtype=jnp.int32) < jnp.sum(group_sizes)
+
+
+def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                       preferred_element_type=None, *, implementation: str) -> jax.Array:
+  """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on tokamax's grouped matmul, forward and backward.
+
+  lhs [M, ℓ] rows contiguous by group; rhs [E, ℓ, f] (cast to lhs.dtype: Mosaic multiplies equal
+  dtypes; the cast's transpose returns the weight gradient in rhs's dtype); group_sizes [E] int.
+  Returns [M, f] in preferred_element_type (default lhs.dtype), zero on rows past Σ group_sizes.
+  implementation: 'mosaic' (tokamax's Pallas Mosaic GPU kernels: bf16/f16 inputs, NVIDIA compute
+  capability >= 9.0 for the dlhs and drhs kernels) or 'xla' (tokamax's reference, which is
+  `jax.lax.ragged_dot_general`: any backend and dtype). Both gradients run on the same
+  implementation (dlhs: a grouped matmul against rhs transposed; drhs: tokamax's ragged-contracting
+  kernel); the cotangent is rounded to lhs.dtype first. A kernel that cannot take these dtypes or
+  shapes raises ValueError naming ModelConfig.moe_grouped_matmul.
+  """
+  if implementation not in TOKAMAX_IMPLEMENTATIONS:
+    raise ValueError(f"tokamax_ragged_dot: implementation={implementation!r}: expected one of "
+                     f"{TOKAMAX_IMPLEMENTATIONS}")
+  M, L = lhs.shape
+  E, L2, _ = rhs.shape
+  if L2 != L or group_sizes.shape != (E,):
+    raise ValueError(f"tokamax_ragged_dot: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
+                     f"{group_sizes.shape} do not fit ([M, l], [E, l, f], [E])")
+  out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
+  lhs, rhs = _common_varying(lhs, rhs.astype(lhs.dtype))
+  return _tokamax_grouped(lhs, rhs, group_sizes.astype(jnp.int32), out_dtype, implementation)
+
+
+def _common_varying(*arrays: jax.Array) -> list[jax.Array]:
+  """`arrays` made varying over the same manual mesh axes (the union of theirs).
+
+  Inside `shard_map` a custom VJP must return each cotangent varying over exactly its input's
+  axes; the weights enter the expert-parallel body varying over 'expert' only, their gradient
+  would vary over 'data' too. Cast up front, the cast's transpose sums the gradient over 'data'.
+  Outside shard_map nothing varies and this returns the arrays unchanged.
+  """
+  axes = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
+  out = []
+  for a in arrays:
+    missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
+    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
+  return out
+
+
+def _mosaic_gpu_available() -> bool:
+  """Whether the default device is an NVIDIA GPU of compute capability >= 9.0 (tokamax's sm90
+  kernels, the ragged-contracting one of the weight gradient among them)."""
+  device = jax.devices()[0]
+  if device.platform != "gpu" or "NVIDIA" not in device.device_kind:
+    return False
+  return float(getattr(device, "compute_capability", 0.0)) >= 9.0
+
+
+def _auto_gpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
+                         preferred_element_type=None) -> jax.Array:
+  """'auto' on a GPU: tokamax's Mosaic kernels where they run (bf16/f16 activations on compute
+  capability >= 9.0), `tiled_ragged_dot` otherwise (fp32 activations; older GPUs, where XLA's
+  dense ragged_dot lowering would cost E× the memory)."""
+  if jnp.dtype(lhs.dtype) in _MOSAIC_DTYPES and _mosaic_gpu_available():
+    return tokamax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type,
+                              implementation="mosaic")
+  return tiled_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
+
+
+def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
+  """The grouped matmul for ModelConfig.moe_grouped_matmul.
+
+  * 'tokamax': `tokamax_ragged_dot`, its Mosaic GPU kernels on an NVIDIA GPU of compute
+    capability >= 9.0, its 'xla' implementation elsewhere (CPU: the same call sites as on the GPU).
+  * 'ragged_dot': `jax.lax.ragged_dot`.
+  * 'tiled': `tiled_ragged_dot`.
+  * 'auto': 'ragged_dot' on TPU (a grouped-matmul lowering of its own, not measured here);
+    tokamax ('xla') on CPU; on a GPU, tokamax ('mosaic') for bf16/f16 activations on compute
+    capability >= 9.0 and 'tiled' otherwise (`_auto_gpu_ragged_dot`).
+
+  XLA:GPU and XLA:CPU lower `jax.lax.ragged_dot` with memory for every row against every expert:
+  the compiled training step of a 4-layer small.gin at 16K tokens asks XLA:CPU for 55.6 GiB of
+  temporaries with ragged_dot and 22.5 GiB tiled. On one H200 tokamax's Mosaic kernel takes
+  1.07 ms forward+backward at 131072 rows × 384 → 32 experts × 1024 where 'tiled' takes 11.7 ms
+  (experiments/benchmarks/moe_bench.py).
+  """
+  if kind not in GROUPED_MATMULS:
+    raise ValueError(f"ModelConfig.moe_grouped_matmul = {kind!r}: expected one of "
+                     f"{GROUPED_MATMULS}")
+  platform = jax.default_backend()
   if kind == "auto":
-    kind = "ragged_dot" if jax.default_backend() == "tpu" else "tiled"
+    if platform == "tpu":
+      return jax.lax.ragged_dot
+    if platform == "gpu":
+      return _auto_gpu_ragged_dot
+    kind = "tokamax"
+  if kind == "tokamax":
+    implementation = "mosaic" if _mosaic_gpu_available() else "xla"
+    return functools.partial(tokamax_ragged_dot, implementation=implementation)
   if kind == "tiled":
     return tiled_ragged_dot
-  if kind == "ragged_dot":
-    return jax.lax.ragged_dot
-  raise ValueError(f"moe_grouped_matmul = {kind!r}: expected 'auto', 'ragged_dot' or 'tiled'")
+  return jax.lax.ragged_dot
+
+
+# ------------------------------------------------------------------------------------------------
+# Row permutations whose transpose is a gather.
+
+
+def gather_rows(x: jax.Array, src: jax.Array, src_ok: jax.Array, back: jax.Array,
+                back_ok: jax.Array) -> jax.Array:
+  """out[r] = x[src[r]] where src_ok[r], else 0; its VJP is a gather too (no scatter-add).
+
+  x [n, ...] any float dtype; src [m] int32 in [0, n); src_ok [m] bool; back [n, f] int32 in
+  [0, m) and back_ok [n, f] bool: the rows of `out` that read row i of x (back_ok False for the
+  unused slots). (src, src_ok) and (back, back_ok) must describe the same relation: r is listed
+  in back[src[r]] exactly when src_ok[r]. Then dx[i] = Σ_f dout[back[i, f]] over back_ok, summed
+  in fp32 (f = k for the dispatch of a token to its k experts, 1 for a permutation). Returns
+  [m, ...] in x.dtype. What autodiff would make of `x[src]`, a scatter-add, costs the MoE's
+  backward ~150 ms of a 402 ms small.gin step on one H200 (spec/PERFORMANCE.md).
+  """
+  # (Inside shard_map, x and the maps made varying over the same mesh axes: `_common_varying`.)
+  return _gather_rows(*_common_varying(x, src, src_ok, back, back_ok))
+
+
+@jax.custom_vjp
+def _gather_rows(x, src, src_ok, back, back_ok):
+  return _masked_take(x, src, src_ok)
+
+
+def _masked_take(x: jax.Array, index: jax.Array, ok: jax.Array) -> jax.Array:
+  rows = jnp.take(x, index, axis=0, mode="clip")
+  return jnp.where(ok.reshape(ok.shape + (1,) * (x.ndim - 1)), rows, jnp.zeros((), x.dtype))
+
+
+def _gather_rows_fwd(x, src, src_ok, back, back_ok):
+  return _masked_take(x, src, src_ok), (src, src_ok, back, back_ok)
+
+
+def _gather_rows_bwd(residuals, dout):
+  src, src_ok, back, back_ok = residuals
+  n, fan = back.shape
+  picked = _masked_take(dout, back.reshape(n * fan), back_ok.reshape(n * fan))
+  dx = jnp.sum(picked.reshape((n, fan) + dout.shape[1:]).astype(jnp.float32), axis=1)
+  return dx.astype(dout.dtype), None, None, None, None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
+def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
+  """x[order] for a permutation `order` [n] with its inverse [n]; the VJP gathers with `inverse`."""
+  ones = jnp.ones(order.shape, bool)
+  return gather_rows(x, order, ones, inverse[:, None], ones[:, None])
+
+
+def sorted_group_sizes(sorted_keys: jax.Array, num_groups: int) -> jax.Array:
+  """[num_groups] int32: how many of the ascending `sorted_keys` [m] equal 0, 1, … num_groups-1
+  (keys >= num_groups are not counted). Comparisons and a sum, not the scatter-add of bincount."""
+  bounds = jnp.searchsorted(sorted_keys, jnp.arange(num_groups + 1, dtype=sorted_keys.dtype),
+                            side="left", method="compare_all").astype(jnp.int32)
+  return bounds[1:] - bounds[:-1]
+
+
+def sort_with_inverse(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """(order, inverse) of a stable ascending sort of `keys` [m]: keys[order] is sorted and
+  inverse[order[r]] = r. The inverse is a second sort, not the scatter `.at[order].set(arange)`."""
+  order = jnp.argsort(keys, stable=True).astype(jnp.int32)
+  return order, jnp.argsort(order).astype(jnp.int32)
 
 
 # SiTU-GLU math (re-exported by k3jax.layers.ffn, which documents it).
@@ -254,11 +470,17 @@ def routed_experts(
     valid_assign = jnp.repeat(valid.astype(bool), k)
   # Invalid assignments get the sentinel expert id E, so they sort after every real group.
   sort_key = jnp.where(valid_assign, flat_expert, num_experts)
-  order = jnp.argsort(sort_key, stable=True)
+  order, inverse = sort_with_inverse(sort_key)
   sorted_expert = sort_key[order]
   routed = sorted_expert < num_experts
-  group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[sort_key].add(1)[:num_experts]
-  x_sorted = z[token_of[order]]                                         # [N·k, ℓ]
+  group_sizes = sorted_group_sizes(sorted_expert, num_experts)
+  # Every permutation below is a `gather_rows` whose backward is a gather (with the inverse map):
+  # autodiff's transpose of a gather is a scatter-add, slow on the GPU.
+  # Row a of the sorted assignments reads token token_of[order[a]]; token i's k rows are
+  # inverse[i·k:(i+1)·k] (invalid assignments are zero rows that nothing reads back).
+  token_rows = inverse.reshape(n, k)
+  token_rows_ok = valid_assign.reshape(n, k)
+  x_sorted = gather_rows(z, token_of[order], routed, token_rows, token_rows_ok)   # [N·k, ℓ]
 
   if capacity_factor == 0:
     y_sorted = grouped_situ_glu(x_sorted, w_gate, w_up, w_out, group_sizes, routed, beta1=beta1,
@@ -270,23 +492,24 @@ def routed_experts(
     starts_ext = jnp.concatenate([starts, jnp.zeros((1,), jnp.int32)])
     rank = jnp.arange(num_assign, dtype=jnp.int32) - starts_ext[sorted_expert]
     kept = routed & (rank < capacity)
-    # Fill the [E, C] buffers by gathering (not scattering): the backward pass is a gather too.
+    # Buffer row e·C + c holds sorted assignment starts[e] + c when that slot is filled; kept
+    # assignment a sits in buffer row e_a·C + rank_a. Both directions are gathers.
     slot = jnp.arange(capacity, dtype=jnp.int32)
-    src = jnp.clip(starts[:, None] + slot[None, :], 0, num_assign - 1)   # [E, C]
-    filled = slot[None, :] < jnp.minimum(group_sizes, capacity)[:, None]
-    buf = jnp.where(filled[..., None], x_sorted[src], 0).astype(dtype)  # [E, C, ℓ]
+    src = jnp.clip(starts[:, None] + slot[None, :], 0, num_assign - 1).reshape(-1)   # [E·C]
+    filled = (slot[None, :] < jnp.minimum(group_sizes, capacity)[:, None]).reshape(-1)
+    e_safe = jnp.minimum(sorted_expert, num_experts - 1)
+    buf_row = (e_safe * capacity + jnp.clip(rank, 0, capacity - 1))[:, None]     # [N·k, 1]
+    buf = gather_rows(x_sorted, src, filled, buf_row, kept[:, None])
+    buf = buf.reshape(num_experts, capacity, latent)                    # [E, C, ℓ]
     gate = jnp.einsum("ecl,elm->ecm", buf, w_gate, preferred_element_type=jnp.float32)
     up = jnp.einsum("ecl,elm->ecm", buf, w_up, preferred_element_type=jnp.float32)
     h = situ_glu(gate, up, beta1, beta2).astype(dtype)
     y_buf = jnp.einsum("ecm,eml->ecl", h, w_out, preferred_element_type=jnp.float32)
-    e_safe = jnp.minimum(sorted_expert, num_experts - 1)
-    r_safe = jnp.clip(rank, 0, capacity - 1)
-    y_sorted = jnp.where(kept[:, None], y_buf[e_safe, r_safe], 0.0)
+    y_sorted = gather_rows(y_buf.reshape(num_experts * capacity, latent), buf_row[:, 0], kept,
+                           src[:, None], filled[:, None])
     dropped = jnp.sum(routed & ~kept).astype(jnp.int32)
 
-  inverse = jnp.zeros((num_assign,), jnp.int32).at[order].set(
-      jnp.arange(num_assign, dtype=jnp.int32))
-  y_assign = y_sorted[inverse].reshape(n, k, latent)
+  y_assign = permute_rows(y_sorted, inverse, order).reshape(n, k, latent)
   y = jnp.einsum("nkl,nk->nl", y_assign, expert_weight.astype(jnp.float32))
   stats = {"load": group_sizes.astype(jnp.float32), "dropped": dropped}
   return y.astype(dtype), stats

@@ -15,6 +15,11 @@ an independent EP group. Inside one `jax.shard_map`, each device:
   4. unsorts, `all_to_all`s the results back to the senders (in z.dtype) and combines them with the
      router weights in fp32, exactly like `k3jax.ops.moe.routed_experts`.
 
+Every row movement (packing, the sort by local expert and its undoing, the return to the tokens) is
+a `k3jax.ops.moe.gather_rows`, whose backward is a gather with the inverse map: neither pass has a
+scatter(-add). The grouped matmul is the one of ModelConfig.moe_grouped_matmul (tokamax's Mosaic
+GPU kernels by default on the GPU), as on one device.
+
 Buffer capacity C (rows per (source, destination) pair), all shapes static:
   * dropless, capacity_factor == 0: C = N_loc·min(k, E_loc), the most one device can ever send to
     another (a token's k experts are distinct, at most min(k, E_loc) of them live on one device).
@@ -51,8 +56,9 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.ops.moe import (RaggedDotFn, _check_shapes, grouped_situ_glu, qb_margins,
-                           routed_experts)
+from k3jax.ops.moe import (RaggedDotFn, _check_shapes, gather_rows, grouped_situ_glu,
+                           permute_rows, qb_margins, routed_experts, sort_with_inverse,
+                           sorted_group_sizes)
 from k3jax.sharding import BATCH_AXES
 
 EXPERT_AXIS = "expert"
@@ -113,50 +119,56 @@ def _local_ep(z, expert_idx, expert_weight, valid, w_gate, w_up, w_out, *, num_e
   local_id = flat_expert % local_experts
   # Invalid assignments get the sentinel destination n: they sort last and are never sent.
   dest_key = jnp.where(valid_assign, dest, num_ep)
-  order = jnp.argsort(dest_key, stable=True)
+  order, inverse = sort_with_inverse(dest_key)
   sorted_dest = dest_key[order]
-  per_dest = jnp.zeros((num_ep + 1,), jnp.int32).at[dest_key].add(1)[:num_ep]
+  per_dest = sorted_group_sizes(sorted_dest, num_ep)
   starts = jnp.cumsum(per_dest) - per_dest
   starts_ext = jnp.concatenate([starts, jnp.zeros((1,), jnp.int32)])
   rank = jnp.arange(num_assign, dtype=jnp.int32) - starts_ext[sorted_dest]
   routed = sorted_dest < num_ep
   kept = routed & (rank < capacity)
 
-  # Pack [n, C] send buffers by gathering from the sorted assignments.
+  # Every row movement is a `gather_rows` (its backward a gather with the inverse map, no
+  # scatter-add). Send row d·C + c holds sorted assignment starts[d] + c when that slot is filled;
+  # kept sorted assignment p sits in send row dest_p·C + rank_p.
   slot = jnp.arange(capacity, dtype=jnp.int32)
-  src = jnp.clip(starts[:, None] + slot[None, :], 0, num_assign - 1)          # [n, C]
-  filled = slot[None, :] < jnp.minimum(per_dest, capacity)[:, None]
-  sorted_token = token_of[order]
-  x_send = jnp.where(filled[..., None], z[sorted_token[src]], 0).astype(dtype)   # [n, C, ℓ]
-  id_send = jnp.where(filled, local_id[order][src], local_experts)              # [n, C]
+  src = jnp.clip(starts[:, None] + slot[None, :], 0, num_assign - 1).reshape(-1)   # [n·C]
+  filled = (slot[None, :] < jnp.minimum(per_dest, capacity)[:, None]).reshape(-1)
+  send_row = (jnp.minimum(sorted_dest, num_ep - 1) * capacity
+              + jnp.clip(rank, 0, capacity - 1))                                  # [N_loc·k]
+  # Token i's k assignments, by their send rows (assignment a is sorted position inverse[a]).
+  token_send_rows = send_row[inverse].reshape(n_loc, k)
+  token_sent = kept[inverse].reshape(n_loc, k)
+  x_send = gather_rows(z, token_of[order][src], filled, token_send_rows, token_sent)
+  x_send = x_send.reshape(num_ep, capacity, latent)                               # [n, C, ℓ]
+  id_send = jnp.where(filled, local_id[order][src], local_experts).reshape(num_ep, capacity)
 
   x_recv = jax.lax.all_to_all(x_send, EXPERT_AXIS, 0, 0)
   id_recv = jax.lax.all_to_all(id_send, EXPERT_AXIS, 0, 0)
 
   rows = num_ep * capacity
   recv_key = id_recv.reshape(rows)
-  recv_order = jnp.argsort(recv_key, stable=True)
-  group_sizes = jnp.zeros((local_experts + 1,), jnp.int32).at[recv_key].add(1)[:local_experts]
-  xs = x_recv.reshape(rows, latent)[recv_order]
+  recv_order, recv_inverse = sort_with_inverse(recv_key)
+  sorted_key = recv_key[recv_order]
+  group_sizes = sorted_group_sizes(sorted_key, local_experts)
+  xs = permute_rows(x_recv.reshape(rows, latent), recv_order, recv_inverse)
   w_gate, w_up, w_out = (w.astype(dtype) for w in (w_gate, w_up, w_out))
-  ys = grouped_situ_glu(xs, w_gate, w_up, w_out, group_sizes,
-                        recv_key[recv_order] < local_experts, beta1=beta1, beta2=beta2,
-                        ragged_dot_fn=ragged_dot_fn).astype(dtype)
-  recv_inverse = jnp.zeros((rows,), jnp.int32).at[recv_order].set(
-      jnp.arange(rows, dtype=jnp.int32))
-  y_recv = ys[recv_inverse].reshape(num_ep, capacity, latent)
+  ys = grouped_situ_glu(xs, w_gate, w_up, w_out, group_sizes, sorted_key < local_experts,
+                        beta1=beta1, beta2=beta2, ragged_dot_fn=ragged_dot_fn).astype(dtype)
+  y_recv = permute_rows(ys, recv_inverse, recv_order).reshape(num_ep, capacity, latent)
 
   y_back = jax.lax.all_to_all(y_recv, EXPERT_AXIS, 0, 0)                      # [n, C, ℓ]
-  d_safe = jnp.minimum(sorted_dest, num_ep - 1)
-  r_safe = jnp.clip(rank, 0, capacity - 1)
-  y_sorted = jnp.where(kept[:, None], y_back[d_safe, r_safe].astype(jnp.float32), 0.0)
-  inverse = jnp.zeros((num_assign,), jnp.int32).at[order].set(
-      jnp.arange(num_assign, dtype=jnp.int32))
-  y_assign = y_sorted[inverse].reshape(n_loc, k, latent)
+  # Straight from the returned rows to the tokens' assignments (unsort included): assignment a
+  # reads return row send_row[inverse[a]] when kept; return row d·C + c goes to assignment
+  # order[starts[d] + c] when filled.
+  y_assign = gather_rows(y_back.reshape(rows, latent), token_send_rows.reshape(num_assign),
+                         token_sent.reshape(num_assign), order[src][:, None], filled[:, None])
+  y_assign = y_assign.astype(jnp.float32).reshape(n_loc, k, latent)
   y = jnp.einsum("nkl,nk->nl", y_assign, expert_weight.astype(jnp.float32)).astype(dtype)
 
-  load = jnp.zeros((num_experts,), jnp.float32).at[flat_expert].add(
-      valid_assign.astype(jnp.float32))
+  # Per-expert counts by comparison and sum (bincount would be a scatter-add).
+  load = jnp.sum((flat_expert[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :])
+                 & valid_assign[:, None], axis=0).astype(jnp.float32)
   dropped = jnp.sum(routed & ~kept).astype(jnp.int32)
   return y, jax.lax.psum(load, reduce_axes), jax.lax.psum(dropped, reduce_axes)
 

@@ -1,15 +1,22 @@
-"""routed_experts against a naive per-token loop, in dropless and capacity modes."""
+"""routed_experts against a naive per-token loop and a dense every-expert reference, in dropless
+and capacity modes; the grouped matmuls (tiled, tokamax) against jax.lax.ragged_dot; the
+gather-only dispatch (no scatter in the compiled gradient)."""
 
 from __future__ import annotations
 
+import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.moe import expert_capacity, routed_experts
+from k3jax.ops import moe
+from k3jax.ops.moe import (default_ragged_dot, expert_capacity, gather_rows, routed_experts,
+                           sort_with_inverse, sorted_group_sizes, tiled_ragged_dot,
+                           tokamax_ragged_dot)
 
 B1, B2 = 4.0, 25.0
 
@@ -154,8 +161,6 @@ def test_jit_and_bad_input():
 # tiled_ragged_dot: the GPU grouped matmul, against jax.lax.ragged_dot (values and gradients).
 # ------------------------------------------------------------------------------------------------
 
-from k3jax.ops.moe import default_ragged_dot, tiled_ragged_dot  # noqa: E402
-
 
 @pytest.mark.parametrize("sizes,tile", [
     ((5, 0, 17, 3), 4),        # an empty group, groups not multiples of the tile
@@ -199,14 +204,18 @@ def test_tiled_ragged_dot_bf16_accumulates_in_fp32():
 def test_default_ragged_dot_choices():
   assert default_ragged_dot("tiled") is tiled_ragged_dot
   assert default_ragged_dot("ragged_dot") is jax.lax.ragged_dot
-  want = jax.lax.ragged_dot if jax.default_backend() == "tpu" else tiled_ragged_dot
-  assert default_ragged_dot("auto") is want
+  tk = default_ragged_dot("tokamax")
+  assert tk.func is tokamax_ragged_dot
+  # This machine (CI, CPU) has no Mosaic GPU: tokamax's XLA implementation.
+  assert jax.default_backend() != "cpu" or tk.keywords == {"implementation": "xla"}
+  if jax.default_backend() == "cpu":
+    auto = default_ragged_dot("auto")
+    assert auto.func is tokamax_ragged_dot and auto.keywords == {"implementation": "xla"}
   with pytest.raises(ValueError, match="moe_grouped_matmul"):
     default_ragged_dot("dense")
 
 
 def test_routed_experts_with_tiled_matches_ragged_dot():
-  from k3jax.ops.moe import routed_experts
   rng = np.random.default_rng(1)
   N, D, E, k, F = 24, 8, 4, 2, 6
   z = jnp.asarray(rng.standard_normal((N, D)), jnp.float32)
@@ -220,3 +229,169 @@ def test_routed_experts_with_tiled_matches_ragged_dot():
   b, _ = routed_experts(z, idx, wts, wg, wu, wo,
                         ragged_dot_fn=lambda *x, **y: tiled_ragged_dot(*x, tile=4, **y), **kw)
   np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------------
+# tokamax_ragged_dot ('xla' here; the same call sites run tokamax's Mosaic kernels on the GPU).
+# ------------------------------------------------------------------------------------------------
+
+TOKAMAX_XLA = functools.partial(tokamax_ragged_dot, implementation="xla")
+
+
+@pytest.mark.parametrize("sizes", [(5, 0, 17, 3), (1, 2, 0, 0), (0, 0, 12, 0)])
+def test_tokamax_ragged_dot_matches_ragged_dot(sizes):
+  rng = np.random.default_rng(sum(sizes))
+  M, L, F = max(12, sum(sizes)), 6, 7
+  lhs = jnp.asarray(rng.standard_normal((M, L)), jnp.float32)
+  rhs = jnp.asarray(rng.standard_normal((len(sizes), L, F)), jnp.float32)
+  gs = jnp.asarray(sizes, jnp.int32)
+  cot = jnp.asarray(rng.standard_normal((M, F)), jnp.float32)
+
+  def loss(fn, a, b):
+    return jnp.sum(fn(a, b, gs, preferred_element_type=jnp.float32) * cot)
+
+  want = jax.lax.ragged_dot(lhs, rhs, gs, preferred_element_type=jnp.float32)
+  got = jax.jit(TOKAMAX_XLA, static_argnames="preferred_element_type")(
+      lhs, rhs, gs, preferred_element_type=jnp.float32)
+  np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(np.asarray(got)[sum(sizes):], 0.0)
+  g_want = jax.grad(lambda a, b: loss(jax.lax.ragged_dot, a, b), (0, 1))(lhs, rhs)
+  g_got = jax.jit(jax.grad(lambda a, b: loss(TOKAMAX_XLA, a, b), (0, 1)))(lhs, rhs)
+  for gg, gw in zip(g_got, g_want):
+    np.testing.assert_allclose(gg, gw, rtol=1e-6, atol=1e-6)
+  # Rows past the groups get a zero gradient (the GPU kernels leave them unwritten).
+  np.testing.assert_array_equal(np.asarray(g_got[0])[sum(sizes):], 0.0)
+
+
+def test_tokamax_ragged_dot_bf16_weights_cast_and_gradient_dtypes():
+  """bf16 activations with fp32 weights: the weights are multiplied in bf16 (as Mosaic requires),
+  the output accumulates in fp32, and each gradient comes back in its input's dtype."""
+  rng = np.random.default_rng(0)
+  lhs = jnp.asarray(rng.standard_normal((40, 64)), jnp.bfloat16)
+  rhs = jnp.asarray(rng.standard_normal((3, 64, 8)), jnp.float32)
+  gs = jnp.asarray([10, 25, 5], jnp.int32)
+  got = TOKAMAX_XLA(lhs, rhs, gs, preferred_element_type=jnp.float32)
+  want = jax.lax.ragged_dot(lhs.astype(jnp.float32), rhs.astype(jnp.bfloat16).astype(jnp.float32),
+                            gs)
+  assert got.dtype == jnp.float32
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+  dl, dr = jax.grad(lambda a, b: jnp.sum(TOKAMAX_XLA(a, b, gs, preferred_element_type=jnp.float32)),
+                    (0, 1))(lhs, rhs)
+  assert dl.dtype == jnp.bfloat16 and dr.dtype == jnp.float32
+  # d/drhs[g] of Σ lhs·rhs[g] is the column sum of group g's rows (exact in fp32 of bf16 values).
+  row_sums = np.add.reduceat(np.asarray(lhs, np.float32), [0, 10, 35], axis=0)
+  np.testing.assert_allclose(np.asarray(dr)[:, :, 0], row_sums, rtol=1e-2, atol=1e-1)
+
+
+def test_tokamax_errors_name_the_config_field():
+  def unsupported(*args, implementation):
+    raise NotImplementedError("Only bfloat16/float16 inputs are supported")
+  with pytest.raises(ValueError, match="moe_grouped_matmul.*'mosaic'.*bfloat16"):
+    moe._call_tokamax(unsupported, jnp.zeros((4, 2)), implementation="mosaic")
+  with pytest.raises(ValueError, match="implementation"):
+    tokamax_ragged_dot(jnp.zeros((4, 2)), jnp.zeros((1, 2, 3)), jnp.ones((1,), jnp.int32),
+                       implementation="triton")
+
+
+# ------------------------------------------------------------------------------------------------
+# Gather-only dispatch and combine.
+# ------------------------------------------------------------------------------------------------
+
+
+def test_sort_helpers():
+  keys = jnp.asarray([3, 1, 4, 1, 5, 0, 2, 6, 5, 3], jnp.int32)   # 6 = a sentinel past 6 groups
+  order, inverse = sort_with_inverse(keys)
+  np.testing.assert_array_equal(order, np.argsort(np.asarray(keys), kind="stable"))
+  np.testing.assert_array_equal(np.asarray(inverse)[np.asarray(order)], np.arange(10))
+  np.testing.assert_array_equal(sorted_group_sizes(keys[order], 6),
+                                np.bincount(np.asarray(keys), minlength=7)[:6])
+
+
+def test_gather_rows_gradient_equals_autodiff_of_the_gather():
+  """A partial many-to-one map (a row read by 0, 1 or 2 outputs, masked outputs): the gather-only
+  VJP equals autodiff's (scatter-add) transpose of `where(ok, x[src], 0)`."""
+  rng = np.random.default_rng(0)
+  n, m, fan = 6, 9, 2
+  src = rng.integers(0, n, m).astype(np.int32)
+  ok = rng.random(m) > 0.3
+  back = np.zeros((n, fan), np.int32)
+  back_ok = np.zeros((n, fan), bool)
+  used = np.zeros(n, int)
+  for r in range(m):
+    if ok[r] and used[src[r]] < fan:
+      back[src[r], used[src[r]]], back_ok[src[r], used[src[r]]] = r, True
+      used[src[r]] += 1
+    else:
+      ok[r] = False                                     # keep the two maps the same relation
+  x = jnp.asarray(rng.standard_normal((n, 3)), jnp.float32)
+  cot = jnp.asarray(rng.standard_normal((m, 3)), jnp.float32)
+  naive = lambda x: jnp.where(jnp.asarray(ok)[:, None], x[src], 0.0)
+  ours = lambda x: gather_rows(x, jnp.asarray(src), jnp.asarray(ok), jnp.asarray(back),
+                               jnp.asarray(back_ok))
+  np.testing.assert_array_equal(ours(x), naive(x))
+  np.testing.assert_allclose(jax.grad(lambda x: jnp.sum(ours(x) * cot))(x),
+                             jax.grad(lambda x: jnp.sum(naive(x) * cot))(x), rtol=1e-6, atol=1e-6)
+
+
+def _dense_routed(z, idx, w, wg, wu, wo, valid):
+  """Every expert on every token, then each token's k picked and weighted (fp32)."""
+  gate = jnp.einsum("nl,elm->enm", z, wg)
+  up = jnp.einsum("nl,elm->enm", z, wu)
+  h = B1 * jnp.tanh(gate / B1) * jax.nn.sigmoid(gate) * B2 * jnp.tanh(up / B2)
+  out = jnp.einsum("enm,eml->nel", h, wo)                               # [N, E, ℓ]
+  picked = jnp.take_along_axis(out, idx[:, :, None], axis=1)            # [N, k, ℓ]
+  y = jnp.einsum("nkl,nk->nl", picked, w)
+  return jnp.where(valid[:, None], y, 0.0)
+
+
+@pytest.mark.parametrize("grouped", ["tokamax", "ragged_dot"])
+def test_dropless_values_and_gradients_match_dense_reference(grouped):
+  z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in _problem(7, n=24, experts=5, unused=2))
+  valid = jnp.asarray(np.random.default_rng(8).random(24) > 0.25)
+  fn = default_ragged_dot(grouped)
+  cot = jax.random.normal(jax.random.PRNGKey(1), z.shape)
+
+  def ours(z, w, wg, wu, wo):
+    return routed_experts(z, idx, w, wg, wu, wo, beta1=B1, beta2=B2, valid=valid,
+                          ragged_dot_fn=fn)[0]
+
+  args = (z, w, wg, wu, wo)
+  np.testing.assert_allclose(jax.jit(ours)(*args), _dense_routed(z, idx, *args[1:], valid),
+                             rtol=1e-5, atol=1e-5)
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=tuple(range(5))))
+  g_ref = grad(lambda z, w, wg, wu, wo: _dense_routed(z, idx, w, wg, wu, wo, valid))(*args)
+  for name, a, b in zip(("z", "expert_weight", "w_gate", "w_up", "w_out"), grad(ours)(*args),
+                        g_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.5])
+def test_compiled_gradient_has_no_scatter(capacity_factor):
+  """The backward of dispatch and combine are gathers: no scatter(-add) in the compiled HLO of
+  jax.jit(jax.grad(...)) of routed_experts (forward included)."""
+  z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in _problem(9, n=32))
+  valid = jnp.asarray(np.random.default_rng(1).random(32) > 0.2)
+
+  def loss(z, w, wg, wu, wo):
+    y, _ = routed_experts(z, idx, w, wg, wu, wo, beta1=B1, beta2=B2, valid=valid,
+                          capacity_factor=capacity_factor,
+                          ragged_dot_fn=default_ragged_dot("tokamax"))
+    return jnp.sum(jnp.sin(y))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  text = grad.lower(z, w, wg, wu, wo).compile().as_text()
+  assert _hlo_ops(text, "gather")               # the dispatch is there, as gathers
+  assert not _hlo_ops(text, "scatter"), _hlo_ops(text, "scatter")[:3]
+
+
+def _hlo_ops(text: str, op: str) -> list[str]:
+  """The instructions of HLO `text` that apply `op` (not names or metadata that mention it)."""
+  return [ln for ln in text.splitlines() if re.search(rf"\s{op}\(", ln)]
+
+
+def test_hlo_ops_finds_the_scatter_of_autodiffs_gather():
+  """The check above can fail: autodiff's transpose of a plain gather is found as a scatter."""
+  z = jnp.ones((5, 3))
+  idx = jnp.asarray([4, 0, 0, 2])
+  text = jax.jit(jax.grad(lambda z: jnp.sum(z[idx] ** 2))).lower(z).compile().as_text()
+  assert _hlo_ops(text, "scatter")

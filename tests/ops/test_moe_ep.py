@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -13,7 +14,7 @@ from jax.sharding import PartitionSpec as P
 from k3jax import sharding
 from k3jax.layers.moe import quantile_balance_update
 from k3jax.ops import moe_ep
-from k3jax.ops.moe import routed_experts
+from k3jax.ops.moe import default_ragged_dot, routed_experts
 from testlib import error_ratio as _error_ratio
 
 BETAS = dict(beta1=4.0, beta2=25.0)
@@ -35,8 +36,12 @@ def _problem(seed=0, n=N, skew=0.0, valid_frac=0.8):
   return z, idx, w, w_gate, w_up, w_out, valid
 
 
-@pytest.mark.parametrize("spec", ["expert:8", "data:2,expert:4"])
-def test_ep_dropless_matches_single_device(spec):
+@pytest.mark.parametrize("spec,grouped", [("expert:8", "ragged_dot"),
+                                          ("data:2,expert:4", "ragged_dot"),
+                                          ("data:2,expert:4", "tokamax")])
+def test_ep_dropless_matches_single_device(spec, grouped):
+  """EP (with the grouped matmul `grouped` inside the shard_map) against the single-device path
+  with jax.lax.ragged_dot: values, the gradients of z, router weights and expert weights."""
   z, idx, w, wg, wu, wo, valid = _problem()
   mesh = sharding.make_mesh(spec)
 
@@ -44,7 +49,8 @@ def test_ep_dropless_matches_single_device(spec):
     y, stats = fn(z, idx, w, wg, wu, wo, valid=valid, **BETAS)
     return jnp.sum(jnp.sin(y)), (y, stats)
 
-  ep = lambda *a, **kw: moe_ep.routed_experts_ep(*a, mesh=mesh, **kw)
+  ep = lambda *a, **kw: moe_ep.routed_experts_ep(*a, mesh=mesh,
+                                                 ragged_dot_fn=default_ragged_dot(grouped), **kw)
   grad = lambda fn: jax.jit(jax.value_and_grad(lambda *a: loss(fn, *a), argnums=(0, 1, 2, 3, 4),
                                                has_aux=True))
   (_, (y_ref, st_ref)), g_ref = grad(routed_experts)(z, w, wg, wu, wo)
@@ -216,3 +222,27 @@ def test_histogram_qb_no_valid_token_keeps_bias():
   np.testing.assert_array_equal(out, bias)
   with pytest.raises(ValueError, match="bins"):
     moe_ep.quantile_balance_update_histogram(scores, bias, 2, bins=1)
+
+
+@pytest.mark.parametrize("capacity_factor", [0.0, 1.25])
+def test_ep_compiled_gradient_has_no_scatter(capacity_factor):
+  """Packing, the sort by local expert, its undoing and the return to the tokens are gathers in
+  both passes: no scatter of rows in the compiled HLO of the EP gradient (8 devices, tokamax)."""
+  z, idx, w, wg, wu, wo, valid = _problem(3)
+  mesh = sharding.make_mesh("data:2,expert:4")
+
+  def loss(z, w, wg, wu, wo):
+    y, _ = moe_ep.routed_experts_ep(z, idx, w, wg, wu, wo, valid=valid, mesh=mesh,
+                                    capacity_factor=capacity_factor,
+                                    ragged_dot_fn=default_ragged_dot("tokamax"), **BETAS)
+    return jnp.sum(jnp.sin(y))
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  text = grad.lower(z, w, wg, wu, wo).compile().as_text()
+  ops = lambda op: [ln for ln in text.splitlines() if re.search(rf"\s{op}\(", ln)]
+  assert ops("gather") and ops("all-to-all")
+  # XLA may compute an inverse permutation (argsort of an argsort) as an int32 scatter with unique
+  # indices, an index computation off the gradient path; no scatter may move float rows.
+  float_scatters = [ln for ln in ops("scatter") if not re.search(r"=\s*s32\[", ln)]
+  assert not float_scatters, float_scatters[:3]
+  assert all("unique_indices=true" in ln for ln in ops("scatter")), ops("scatter")[:3]
