@@ -99,7 +99,10 @@ class ModelConfig:
   moe_loss_free_rate: float = 1e-3
   moe_aux_loss_coef: float = 1e-2
   moe_capacity_factor: float = 0.0  # 0: dropless; >0: per-expert capacity = factor * balanced load
-  moe_grouped_matmul: str = "auto"  # 'auto' | 'ragged_dot' | 'tiled' (auto: ragged_dot on TPU)
+  # 'auto' | 'tokamax' | 'ragged_dot' | 'tiled' (k3jax.ops.moe.default_ragged_dot). auto: tokamax
+  # (Mosaic GPU kernels for bf16/f16 on compute capability >= 9.0, else 'tiled') on GPU, tokamax's
+  # XLA implementation on CPU, ragged_dot on TPU.
+  moe_grouped_matmul: str = "auto"
 
   # Block Attention Residuals
   attnres: bool = True
@@ -170,8 +173,9 @@ class ModelConfig:
              "one of ('per_expert', 'token')", self.moe_qb_cutoff)
       _check(self.moe_qb_histogram_bins == 0 or self.moe_qb_histogram_bins >= 2,
              p + "moe_qb_histogram_bins", "0 (exact) or an integer >= 2", self.moe_qb_histogram_bins)
-      _check(self.moe_grouped_matmul in ("auto", "ragged_dot", "tiled"), p + "moe_grouped_matmul",
-             "'auto', 'ragged_dot' or 'tiled'", self.moe_grouped_matmul)
+      _check(self.moe_grouped_matmul in ("auto", "tokamax", "ragged_dot", "tiled"),
+             p + "moe_grouped_matmul", "'auto', 'tokamax', 'ragged_dot' or 'tiled'",
+             self.moe_grouped_matmul)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
       _check(self.first_k_dense < self.num_layers, p + "first_k_dense",
