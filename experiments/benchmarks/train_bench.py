@@ -1,0 +1,343 @@
+r"""The real training step of a gin config on one device: time, MFU, memory, compile and start-up.
+
+Each case is a gin config (+ --gin_bindings), a row length and a batch of rows, run by the training
+step of `k3jax.train` (`init_train_state` + `make_train_step`: the config's optimizer, QB, micro-
+batching) on random tokens. Rows are 'packed' (documents of geometric length, mean --doc_len
+tokens: a BOS starts each, segment ids 1, 2, ... and loss mask as `k3jax.data.packing.make_batch`
+builds them from text) or 'single' (one document per row).
+
+The driver runs every case in a child process of its own (memory, compiled programs and JAX's
+in-memory caches do not leak from one case into the next) with JAX's persistent compilation cache
+in a folder per config, shared by that config's cases; a case marked for it runs twice in a row,
+so that the second run shows start-up with a warm cache. One JSON line per event, printed as soon
+as it is known:
+
+  progress  compile_s etc. as soon as known (a case that later fails or times out still says how
+            far it got);
+  result    step_ms (median of --steps timed steps after --warmup), tokens_per_s, tflops and mfu
+            (k3jax.flops.flops_per_token at the row length, against --peak_tflops), peak_gib
+            (the device allocator's peak_bytes_in_use), temp_gib (compiled step's temporaries),
+            init_s (initialisation: compile and run), trace_lower_s, compile_s (the step), first_
+            step_s, startup_s (process start -> first step finished), cache_entries_before /
+            _after (the persistent cache folder; equal when everything was read from it),
+            loss_first / loss_last;
+  profile   with --profile DIR: the top kernels by device time per step, from a jax.profiler
+            trace of --profile_steps steps written under DIR/<case>;
+  error     the case's error (first line), or its timeout; the driver goes on with the next case.
+
+Case sets (--cases):
+  throughput  small.gin at 4 x 8192 and medium.gin at 4 x 8192 (its 16K-token micro-batches: two
+              per step), packed, each run cold and then warm;
+  curriculum  small.gin, one row of 8192, 65536, 262144 and 1048576 tokens, single then packed
+              (same shapes: the packed run finds the step compiled); the first case is re-run warm;
+  one         --gin_file, --seq_len, --batch, --rows, once cold and once warm.
+--smoke: tiny.gin, one case of 2 x 128 tokens, 2 steps (CPU).
+
+  XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/train_bench.py \
+      --cases=throughput [--profile=/tmp/prof] [--gin_bindings="ModelConfig.remat = 'dots'"]
+
+--budget_s (default 570) bounds the whole driver: each case gets at most what is left, and cases
+that cannot start in time are reported as errors.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+_PROCESS_START = time.time()
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+
+import numpy as np  # noqa: E402
+
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_REPO = os.path.dirname(os.path.dirname(_HERE))
+PEAK_TFLOPS_H200 = 869.0   # bf16 matmul 8192^3 through jax.jit on one H200 (PERFORMANCE.md)
+ROWS = ("packed", "single")
+
+
+def emit(**row):
+  print(json.dumps(row), flush=True)
+
+
+def _sig(x: float) -> float:
+  """x to 4 significant digits (a tiny CPU model's TFLOP/s are not rounded away to 0)."""
+  return float(f"{x:.4g}")
+
+
+def first_line(error: BaseException) -> str:
+  text = str(error).strip()
+  return f"{type(error).__name__}: {text.splitlines()[0] if text else ''}"
+
+
+def random_rows(batch: int, seq_len: int, rows: str, vocab_size: int, bos_id: int,
+                doc_len: int, seed: int = 0) -> dict:
+  """A batch of random-token rows as `packing.make_batch` makes them: dict of [batch, seq_len]
+  arrays inputs, targets (int32), segment_ids (int32, documents numbered from 1 in each row),
+  loss_mask (float32, 0 where the target is a BOS).
+
+  rows='packed': every token is a document start (BOS) with probability 1/doc_len, so document
+  lengths are geometric with mean doc_len; 'single': no BOS, one document per row.
+  """
+  from k3jax.data import packing
+  if rows not in ROWS:
+    raise ValueError(f"rows = {rows!r} must be one of {ROWS}")
+  if doc_len < 1:
+    raise ValueError(f"doc_len = {doc_len} must be a positive integer")
+  if not 0 <= bos_id < vocab_size:
+    raise ValueError(f"bos_id = {bos_id} must be a token id below vocab_size = {vocab_size}")
+  rng = np.random.default_rng(seed)
+  window = rng.integers(0, vocab_size - 1, size=batch * seq_len + 1, dtype=np.int32)
+  window = np.where(window >= bos_id, window + 1, window).astype(np.int32)  # no BOS by chance
+  if rows == "packed":
+    window[rng.random(window.size) < 1.0 / doc_len] = bos_id
+  return packing.make_batch(window, seq_len, bos_id)
+
+
+def case_sets(smoke: bool, args) -> list[dict]:
+  """The cases of --cases (or of --smoke): dicts of name, gin_files, seq_len, batch, rows,
+  warm_rerun, steps, warmup."""
+  def case(gin, seq_len, batch, rows, warm_rerun):
+    tokens = seq_len * batch
+    # Long rows take seconds a step: fewer steps keep each case set within the time budget.
+    steps = args.steps or (8 if tokens <= 65536 else 4 if tokens <= 262144 else 2)
+    warmup = args.warmup if args.warmup is not None else (2 if tokens <= 65536 else 1)
+    name = f"{os.path.basename(gin[0]).removesuffix('.gin')}_{rows}_{batch}x{seq_len}"
+    return dict(name=name, gin_files=gin, seq_len=seq_len, batch=batch, rows=rows,
+                warm_rerun=warm_rerun, steps=steps, warmup=warmup)
+
+  small, medium = ["gin_configs/small.gin"], ["gin_configs/medium.gin"]
+  if smoke:
+    return [dict(case(["gin_configs/tiny.gin"], 128, 2, "packed", True), steps=2, warmup=1)]
+  if args.cases == "throughput":
+    return [case(small, 8192, 4, "packed", True), case(medium, 8192, 4, "packed", True)]
+  if args.cases == "curriculum":
+    out = []
+    for seq_len in (8192, 65536, 262144, 1048576):
+      for rows in ("single", "packed"):
+        out.append(case(small, seq_len, 1, rows, not out))
+    return out
+  if args.cases == "one":
+    return [case(args.gin_file or small, args.seq_len, args.batch, args.rows, True)]
+  raise ValueError(f"--cases = {args.cases!r} must be one of ('throughput', 'curriculum', 'one')")
+
+
+# ------------------------------------------------------------------------------------------------
+# One case (child process)
+# ------------------------------------------------------------------------------------------------
+
+def _cache_entries(folder: str) -> int:
+  return len(os.listdir(folder)) if folder and os.path.isdir(folder) else 0
+
+
+def _peak_gib():
+  import jax
+  stats = jax.devices()[0].memory_stats()
+  if not stats or "peak_bytes_in_use" not in stats:
+    return None  # CPU devices keep no allocator statistics
+  return round(stats["peak_bytes_in_use"] / 2**30, 2)
+
+
+def top_kernels(logdir: str, steps: int, top: int = 15) -> dict:
+  """{'kernel_ms_per_step', 'top': [[kernel name, ms per step], ...]} of the trace in `logdir`
+  (GPU stream lines, through trace_times.py), or {'note': ...} when it has no device plane."""
+  sys.path.insert(0, _HERE)
+  import trace_times
+  lines = trace_times.device_line_times(logdir)
+  if lines is None:
+    return {"note": "no GPU device plane in the trace (on CPU ops run on host threads)"}
+  kernels = trace_times.stream_kernel_times(lines)
+  total = sum(kernels.values())
+  return {"kernel_ms_per_step": round(total / steps / 1e6, 3),
+          "top": [[name[:160], round(ns / steps / 1e6, 3)]
+                  for name, ns in kernels.most_common(top)]}
+
+
+def run_case(case: dict, args, process_start: float) -> dict:
+  """Runs one case in this process; returns its result row (progress lines are emitted)."""
+  from k3jax import compiler
+  compiler.enable_compilation_cache(args.cache_dir)
+  import jax
+  import jax.numpy as jnp
+
+  from k3jax import flops as flops_lib
+  from k3jax import train as train_lib
+  from k3jax.model import K3Model
+
+  name = case["name"]
+  entries_before = _cache_entries(args.cache_dir)
+  cfg = train_lib.config_from_flags(case["gin_files"], args.gin_bindings)
+  mcfg = cfg.model
+  batch, seq_len = case["batch"], case["seq_len"]
+  t0 = time.perf_counter()
+  state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
+  jax.block_until_ready(state)
+  init_s = time.perf_counter() - t0
+  step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule)
+  host = [random_rows(batch, seq_len, case["rows"], mcfg.vocab_size, mcfg.vocab_size - 1,
+                      args.doc_len, seed=i) for i in range(2)]
+  batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in host]
+  docs = float(np.mean([b["segment_ids"].max(axis=1).mean() for b in host]))
+
+  t0 = time.perf_counter()
+  lowered = step_fn.lower(state, batches[0])
+  trace_lower_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - t0
+  memory = compiled.memory_analysis()
+  temp_gib = None if memory is None else round(memory.temp_size_in_bytes / 2**30, 2)
+  emit(event="progress", case=name, init_s=round(init_s, 2), trace_lower_s=round(trace_lower_s, 2),
+       compile_s=round(compile_s, 2), temp_gib=temp_gib)
+
+  t0 = time.perf_counter()
+  state, m = compiled(state, batches[0])
+  loss_first = float(m["loss"])  # blocks on the step
+  first_step_s = time.perf_counter() - t0
+  startup_s = time.time() - process_start
+  emit(event="progress", case=name, first_step_s=round(first_step_s, 2),
+       startup_s=round(startup_s, 2))
+  for i in range(1, case["warmup"]):
+    state, m = compiled(state, batches[i % 2])
+  jax.block_until_ready(m)
+  times = []
+  for i in range(case["steps"]):
+    t0 = time.perf_counter()
+    state, m = compiled(state, batches[i % 2])
+    loss_last = float(m["loss"])
+    times.append(time.perf_counter() - t0)
+  step_s = statistics.median(times)
+  tokens = batch * seq_len
+  flops_per_token = flops_lib.flops_per_token(cfg, seq_len)
+  tflops = flops_per_token * tokens / step_s / 1e12
+  row = dict(case=name, gin_files=case["gin_files"], bindings=args.gin_bindings, rows=case["rows"],
+             batch=batch, seq_len=seq_len, docs_per_row=round(docs, 2),
+             microbatches=batch // cfg.stages.microbatch_rows(seq_len, batch),
+             steps=case["steps"], step_ms=round(step_s * 1e3, 2),
+             step_ms_min=round(min(times) * 1e3, 2), tokens_per_s=round(tokens / step_s),
+             gflops_per_token=_sig(flops_per_token / 1e9), tflops=_sig(tflops),
+             mfu=_sig(tflops / args.peak_tflops), peak_tflops=args.peak_tflops,
+             peak_gib=_peak_gib(), temp_gib=temp_gib, init_s=round(init_s, 2),
+             trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
+             first_step_s=round(first_step_s, 2), startup_s=round(startup_s, 2),
+             cache_entries_before=entries_before,
+             cache_entries_after=_cache_entries(args.cache_dir),
+             loss_first=round(loss_first, 4), loss_last=round(loss_last, 4),
+             backend=jax.default_backend(), device=str(jax.devices()[0].device_kind))
+  if args.profile:
+    logdir = os.path.join(args.profile, f"{name}_run{args.run}")
+    with jax.profiler.trace(logdir):
+      for i in range(args.profile_steps):
+        state, m = compiled(state, batches[i % 2])
+      jax.block_until_ready(m)
+    emit(event="profile", case=name, logdir=logdir, **top_kernels(logdir, args.profile_steps))
+  return row
+
+
+# ------------------------------------------------------------------------------------------------
+# Driver
+# ------------------------------------------------------------------------------------------------
+
+def _child(case: dict, args, run: int, cache_dir: str, timeout_s: float) -> None:
+  """Runs `case` in a child process; passes its JSON lines through as they come and reports a
+  death or timeout as an error line."""
+  cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case),
+         f"--run={run}", f"--cache_dir={cache_dir}", f"--doc_len={args.doc_len}",
+         f"--peak_tflops={args.peak_tflops}", f"--profile_steps={args.profile_steps}",
+         f"--spawn_time={time.time()!r}"]
+  cmd += [f"--gin_bindings={b}" for b in args.gin_bindings]
+  if args.profile and run == 1:  # the warm re-run runs the same executable
+    cmd.append(f"--profile={args.profile}")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p))
+  with tempfile.TemporaryFile(mode="w+") as err:
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=_REPO,
+                            env=env)
+    timer = threading.Timer(timeout_s, proc.kill)
+    timer.start()
+    finished = False
+    for line in proc.stdout:
+      if line.startswith("{"):
+        print(line, end="", flush=True)
+        finished |= '"event": "result"' in line or '"event": "error"' in line
+    returncode = proc.wait()
+    timed_out = not timer.is_alive() and returncode != 0
+    timer.cancel()
+    if timed_out:
+      emit(event="error", case=case["name"], run=run, error=f"timed out after {timeout_s:.0f} s")
+    elif not finished:
+      err.seek(0)
+      lines = [ln for ln in err.read().splitlines() if ln.strip()]
+      emit(event="error", case=case["name"], run=run,
+           error=f"exit {returncode}: {lines[-1] if lines else 'no output'}")
+
+
+def drive(args) -> int:
+  cases = case_sets(args.smoke, args)
+  deadline = time.time() + args.budget_s
+  root = args.cache_dir or tempfile.mkdtemp(prefix="train_bench_cache_")
+  emit(event="start", cases=[c["name"] for c in cases], cache_root=root,
+       bindings=args.gin_bindings, budget_s=args.budget_s)
+  for case in cases:
+    # One cache folder per config (+ bindings): its cases share the initialisation's entries.
+    key = "_".join(os.path.basename(g).removesuffix(".gin") for g in case["gin_files"])
+    cache_dir = os.path.join(root, key)
+    for run in (1, 2) if case["warm_rerun"] else (1,):
+      left = deadline - time.time()
+      if left < 30:
+        emit(event="error", case=case["name"], run=run,
+             error=f"not started: the --budget_s of {args.budget_s} s is spent")
+        continue
+      _child(case, args, run, cache_dir, min(args.case_timeout, left))
+  return 0
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--cases", default="throughput",
+                 help="'throughput', 'curriculum' or 'one' (module docstring)")
+  p.add_argument("--smoke", action="store_true", help="tiny.gin, 2 x 128 tokens, 2 steps (CPU)")
+  p.add_argument("--gin_file", action="append", default=None, help="--cases=one: the config")
+  p.add_argument("--gin_bindings", action="append", default=[],
+                 help="applied to every case's config, e.g. \"ModelConfig.remat = 'full'\"")
+  p.add_argument("--seq_len", type=int, default=8192, help="--cases=one: tokens per row")
+  p.add_argument("--batch", type=int, default=4, help="--cases=one: rows per step")
+  p.add_argument("--rows", default="packed", choices=ROWS, help="--cases=one: row kind")
+  p.add_argument("--doc_len", type=int, default=8192, help="mean document length of packed rows")
+  p.add_argument("--steps", type=int, default=0, help="timed steps (0: by tokens per step)")
+  p.add_argument("--warmup", type=int, default=None, help="steps before timing, the first included")
+  p.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS_H200)
+  p.add_argument("--profile", default="", help="folder for jax.profiler traces (off if empty)")
+  p.add_argument("--profile_steps", type=int, default=3)
+  p.add_argument("--cache_dir", default="",
+                 help="driver: root of the per-config persistent cache folders (default: a new "
+                      "temporary folder, so that the first run is cold); child: the folder")
+  p.add_argument("--case_timeout", type=float, default=360.0, help="seconds per child process")
+  p.add_argument("--budget_s", type=float, default=570.0, help="seconds for the whole driver")
+  p.add_argument("--child", default="", help=argparse.SUPPRESS)
+  p.add_argument("--run", type=int, default=1, help=argparse.SUPPRESS)
+  p.add_argument("--spawn_time", type=float, default=None, help=argparse.SUPPRESS)
+  args = p.parse_args(argv)
+  if args.smoke:
+    args.doc_len = min(args.doc_len, 48)  # several documents in a 128-token row
+  if not args.child:
+    return drive(args)
+  case = json.loads(args.child)
+  try:
+    emit(event="result", run=args.run,
+         **run_case(case, args, args.spawn_time or _PROCESS_START))
+  except Exception as e:  # an OOM or a compile failure: one line, the driver goes on
+    emit(event="error", case=case["name"], run=args.run, error=first_line(e))
+    return 1
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

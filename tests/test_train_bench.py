@@ -1,0 +1,50 @@
+"""experiments/benchmarks/train_bench.py: its rows and case sets (the GPU runs are the lead's)."""
+
+import argparse
+
+import numpy as np
+import pytest
+from testlib import load_benchmark
+
+tb = load_benchmark("train_bench")
+
+
+def test_packed_rows_have_geometric_documents():
+  b = tb.random_rows(4, 4096, "packed", vocab_size=257, bos_id=256, doc_len=64, seed=1)
+  seg, inputs, targets = b["segment_ids"], b["inputs"], b["targets"]
+  assert seg.shape == inputs.shape == (4, 4096) and seg.dtype == np.int32
+  starts = inputs == 256
+  # A document starts at each BOS (and at position 0), numbered 1, 2, ... within the row.
+  np.testing.assert_array_equal(seg, np.cumsum(starts | (np.arange(4096) == 0), axis=1))
+  assert np.all(np.diff(seg, axis=1) >= 0) and np.all(seg[:, 0] == 1)
+  mean_len = seg.size / seg.max(axis=1).sum()
+  assert 48 < mean_len < 80  # geometric with mean 64 (16K tokens: a few % off at most)
+  np.testing.assert_array_equal(b["loss_mask"], (targets != 256).astype(np.float32))
+  np.testing.assert_array_equal(inputs[:, 1:], targets[:, :-1])
+
+
+def test_single_rows_are_one_document():
+  b = tb.random_rows(2, 1024, "single", vocab_size=257, bos_id=256, doc_len=8, seed=0)
+  assert np.all(b["segment_ids"] == 1) and np.all(b["loss_mask"] == 1)
+  assert b["inputs"].max() < 256 and b["inputs"].min() >= 0
+  with pytest.raises(ValueError, match="rows"):
+    tb.random_rows(1, 8, "mixed", vocab_size=257, bos_id=256, doc_len=8)
+
+
+def test_case_sets():
+  args = argparse.Namespace(cases="curriculum", steps=0, warmup=None, gin_file=None, seq_len=8192,
+                            batch=4, rows="packed")
+  cur = tb.case_sets(False, args)
+  assert [(c["seq_len"], c["rows"]) for c in cur] == [
+      (t, r) for t in (8192, 65536, 262144, 1048576) for r in ("single", "packed")]
+  assert all(c["batch"] == 1 and c["gin_files"] == ["gin_configs/small.gin"] for c in cur)
+  assert [c["warm_rerun"] for c in cur] == [True] + [False] * 7
+  assert cur[-1]["steps"] < cur[0]["steps"]  # fewer steps for the 1M-token rows
+  args.cases = "throughput"
+  names = [c["name"] for c in tb.case_sets(False, args)]
+  assert names == ["small_packed_4x8192", "medium_packed_4x8192"]
+  smoke = tb.case_sets(True, args)
+  assert smoke[0]["gin_files"] == ["gin_configs/tiny.gin"] and smoke[0]["steps"] == 2
+  args.cases = "bogus"
+  with pytest.raises(ValueError, match="--cases"):
+    tb.case_sets(False, args)
