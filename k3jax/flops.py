@@ -46,8 +46,9 @@ Counted, per token of the forward (d = d_model, V = vocab_size; one FLOP count p
 
 Not counted: elementwise work (activations, gates' sigmoids, SiTU, residual adds), RMSNorms, softmax
 exponentials and the attention's masking, the KDA gate's softplus and the L2 norms of q and k,
-the loss, and the optimizer update. Nor is anything a particular kernel computes beyond the count:
-padding rows of grouped matmuls, masked-out attention blocks, recomputation under remat.
+the loss, and the optimizer update. Nor is anything an implementation computes beyond the count:
+padding rows of grouped matmuls, masked-out attention blocks, recomputation under remat, the
+masked block slots that the scanned decoder's DepthMixes run over (ModelConfig.scan_layers).
 """
 
 from __future__ import annotations
