@@ -321,7 +321,10 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   Args:
     q, k: [B, T, H, K], any float dtype.
     v: [B, T, H, V].
-    g: [B, T, H, K] log decay (≤ 0), any value: the XLA path is exact for unbounded gates too.
+    g: [B, T, H, K] log decay, ≤ 0, as `kda_gate` makes it (bounded or not: the XLA path is exact
+      for unbounded gates too). g > 0 would make the state grow without bound; a concrete g with a
+      positive entry raises ValueError. Under jit g is a tracer and is not checked (a check would
+      need a host round trip per call): a caller passing its own traced g must keep it ≤ 0.
     beta: [B, T, H].
     scale: query scale, default K^-1/2.
     initial_state: [B, H, K, V] ([N, H, K, V] with cu_seqlens), used in float32. With segment_ids it
@@ -348,6 +351,12 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     raise ValueError(f"chunk_size must be a positive multiple of 16, got {chunk_size!r}")
   (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
       q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
+  if not isinstance(g, jax.core.Tracer):
+    # numpy, not jnp: a concrete g closed over by a jit would otherwise give a traced maximum.
+    g_max = float(np.max(np.asarray(g))) if g.size else 0.0
+    if g_max > 0:
+      raise ValueError(f"g must be a log decay <= 0 (kda_gate's output); its largest entry is "
+                       f"{g_max}, a growth of the state")
 
   if backend == "pallas" or (backend == "auto" and jax.default_backend() == "gpu"):
     try:

@@ -381,6 +381,26 @@ def test_bad_arguments_raise(fn, override, name):
     fn(**kwargs)
 
 
+def test_growing_gate_is_rejected_when_concrete():
+  """g > 0 (a state that grows) is refused for concrete inputs; g == 0 (no decay) is allowed."""
+  a = _args(T=16)
+  kda.chunk_kda(**a, chunk_size=16)
+  grown = a["g"].at[0, 5, 1, 2].set(0.25)
+  with pytest.raises(ValueError, match=r"g must be a log decay <= 0 .* largest entry is 0.25"):
+    kda.chunk_kda(**dict(a, g=grown), chunk_size=16)
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, -0.5, None])
+def test_gate_never_grows(lower_bound):
+  """What the KDA layer feeds chunk_kda (kda_gate's output) is <= 0 even for extreme inputs, so
+  the layer needs no check under jit."""
+  x = jnp.asarray(np.linspace(-1e4, 1e4, 2 * 3 * 2 * 4, dtype=np.float32).reshape(2, 3, 2, 4))
+  A_log = jnp.asarray(np.array([-3.0, 3.0], np.float32))
+  dt_bias = jnp.asarray(np.full((2 * 4,), 5.0, np.float32))
+  g = kda.kda_gate(x, A_log, dt_bias, lower_bound=lower_bound)
+  assert float(jnp.max(g)) <= 0.0
+
+
 def test_cu_seqlens_requires_batch_one():
   with pytest.raises(ValueError, match="cu_seqlens.*B == 1"):
     kda.chunk_kda(**_args(B=2), cu_seqlens=jnp.array([0, 8], jnp.int32))
@@ -388,7 +408,7 @@ def test_cu_seqlens_requires_batch_one():
 
 def test_backends(monkeypatch):
   a = _args(T=20)
-  a = {n: x + 0.1 for n, x in a.items()}
+  a = {n: x - 0.1 if n == "g" else x + 0.1 for n, x in a.items()}
   o_xla, _ = kda.chunk_kda(**a, chunk_size=16, backend="xla")
   if jax.default_backend() != "gpu":
     o_auto, _ = kda.chunk_kda(**a, chunk_size=16, backend="auto")
