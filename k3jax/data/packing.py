@@ -47,6 +47,18 @@ def make_batch(window: np.ndarray, seq_len: int, bos_id: int) -> dict:
           "loss_mask": (targets != bos_id).astype(np.float32)}
 
 
+def check_train_size(num_tokens: int, tokens_per_step: int, data_cfg=None) -> None:
+  """ValueError naming the settings when a train stream of `num_tokens` cannot fill one step
+  (tokens_per_step tokens plus one lookahead token). data_cfg (a DataConfig) names the source."""
+  if num_tokens >= tokens_per_step + 1:
+    return
+  source = "" if data_cfg is None else \
+      f" of DataConfig.source = {data_cfg.source!r}, path = {data_cfg.path!r}"
+  raise ValueError(f"the train split{source} has {num_tokens} tokens, fewer than one step needs "
+                   f"(StagesConfig.tokens_per_step = {tokens_per_step}, plus one lookahead "
+                   "token); use more data or lower StagesConfig.tokens_per_step")
+
+
 class TokenWindows:
   """Cyclic, per-epoch re-shuffled view of a packed stream, read by global step.
 
@@ -63,11 +75,7 @@ class TokenWindows:
     tokens = np.asarray(tokens, np.int32)
     if tokens_per_step < 1:
       raise ValueError(f"StagesConfig.tokens_per_step={tokens_per_step} must be positive")
-    if tokens.size < tokens_per_step + 1:
-      raise ValueError(f"StagesConfig.tokens_per_step={tokens_per_step} needs at least "
-                       f"{tokens_per_step + 1} tokens (one step's window plus one lookahead token) "
-                       f"but the train split has {tokens.size}; use more data or fewer tokens per "
-                       "step")
+    check_train_size(tokens.size, tokens_per_step)
     if tokens[0] != bos_id:
       raise ValueError(f"TokenWindows: the stream must start with BOS ({bos_id}), got {tokens[0]}")
     self.tokens = tokens

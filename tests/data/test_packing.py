@@ -120,8 +120,8 @@ def test_cyclic_wrap_and_epoch_reshuffle():
 
 def test_stream_too_short_and_bad_seq_len():
   stream = corpus_lib.pack_documents([("a", np.arange(50, dtype=np.int32))], BOS)
-  with pytest.raises(ValueError, match=r"StagesConfig.tokens_per_step=64 needs at least 65 tokens "
-                     r".* train split has 51"):
+  with pytest.raises(ValueError, match=r"train split has 51 tokens, fewer than one step needs "
+                     r"\(StagesConfig.tokens_per_step = 64, plus one lookahead token\)"):
     TokenWindows(stream, BOS, 64)
   windows = TokenWindows(stream, BOS, 50)
   with pytest.raises(ValueError, match="seq_len=3 must divide StagesConfig.tokens_per_step=50"):
@@ -161,7 +161,7 @@ def test_train_source_loads_corpus_and_checks_length():
   cfg = DataConfig(max_bytes=100_000)
   src = train_source(cfg, 256, lambda s: 64, num_steps=3)
   assert len(src) == 3 and src[2]["inputs"].shape == (4, 64)
-  with pytest.raises(ValueError, match=r"StagesConfig.tokens_per_step=1048576 needs at least"):
+  with pytest.raises(ValueError, match=r"StagesConfig.tokens_per_step = 1048576, plus one"):
     train_source(cfg, 2**20, lambda s: 1024)
   with pytest.raises(ValueError, match="seq_len=48 .* must divide"):
     train_source(cfg, 256, lambda s: 48)[0]
