@@ -393,6 +393,9 @@ def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Con
 
   Unknown configurables or parameters, and invalid values, raise `ConfigError` naming the setting.
   """
+  for name, value in (("gin_files", gin_files), ("bindings", bindings)):
+    if isinstance(value, str):  # a lone string would be read one character at a time
+      raise ConfigError(f"from_gin: {name} must be a list of strings, not the string {value!r}")
   for f in gin_files:
     if not os.path.isfile(f):
       raise ConfigError(f"gin file {f!r} does not exist")
@@ -400,6 +403,11 @@ def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Con
   try:
     gin.parse_config_files_and_bindings(list(gin_files), list(bindings), finalize_config=False)
     cfg = Config()
+  except SyntaxError as e:
+    text = (e.text or "").strip()
+    if e.filename:
+      raise ConfigError(f"gin file {e.filename}, line {e.lineno}: {e.msg} ({text!r})") from e
+    raise ConfigError(f"gin binding {text!r}: {e.msg}") from e
   except (ValueError, KeyError, TypeError) as e:
     known = "Config, ModelConfig, DataConfig, OptimizerConfig, StagesConfig, MeshConfig, " \
             "CheckpointConfig, EvalConfig"

@@ -46,6 +46,25 @@ def test_unknown_parameter_and_missing_file_are_errors():
     config_lib.from_gin(["/nonexistent.gin"])
 
 
+def test_gin_syntax_errors_name_the_file_and_line(tmp_path):
+  bad = tmp_path / "bad.gin"
+  bad.write_text("ModelConfig.num_layers = 2\nModelConfig.d_model = \n")
+  with pytest.raises(config_lib.ConfigError,
+                     match=f"gin file {bad}, line 2: Unable to parse value"):
+    config_lib.from_gin([str(bad)])
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"gin binding 'ModelConfig.d_model = 3\)': Expected newline"):
+    config_lib.from_gin([], ["ModelConfig.d_model = 3)"])
+
+
+def test_a_lone_string_instead_of_a_list_is_an_error():
+  """from_gin('a.gin') would otherwise look for the files 'a', '.', 'g', ..."""
+  with pytest.raises(config_lib.ConfigError, match="gin_files must be a list of strings"):
+    config_lib.from_gin("gin_configs/tiny.gin")
+  with pytest.raises(config_lib.ConfigError, match="bindings must be a list of strings"):
+    config_lib.from_gin([], "ModelConfig.d_model = 64")
+
+
 def test_layer_pattern_is_three_to_one_with_last_mla():
   cfg = config_lib.from_gin([os.path.join(GIN_DIR, "k3.gin")]).model
   kinds = [cfg.layer_kind(i) for i in range(cfg.num_layers)]
