@@ -190,9 +190,12 @@ def evaluate_workdir(workdir: str, step: Optional[int] = None, seq_len: Optional
   from k3jax import train as train_lib
   from k3jax.model import K3Model
 
+  if seq_len is not None and seq_len < 1:
+    raise ValueError(f"seq_len={seq_len} is not allowed: a length >= 1, or None for the "
+                     "checkpoint's training length")
   cfg, params, moe_state, meta = checkpoint_lib.restore_run(workdir, step)
   evaluator = Evaluator(cfg, K3Model(cfg.model), train_lib.make_data(cfg))
-  length = seq_len or int(meta["seq_len"])
+  length = int(meta["seq_len"]) if seq_len is None else seq_len
   results = {"step": int(meta["step"]), "stage": int(meta["stage"])}
   results.update(evaluator(params, moe_state, length, seed=cfg.seed))
   return results
@@ -201,13 +204,19 @@ def evaluate_workdir(workdir: str, step: Optional[int] = None, seq_len: Optional
 def main(argv):
   from absl import flags
   del argv
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  from k3jax import checkpoint as checkpoint_lib
+  checkpoint_lib.quiet_logging()
   FLAGS = flags.FLAGS
   compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   try:
+    for name in ("step", "seq_len"):
+      value = FLAGS[name].value
+      if value is not None and value < (0 if name == "step" else 1):
+        raise config_lib.ConfigError(f"--{name}={value} is not allowed: an integer >= "
+                                     f"{0 if name == 'step' else 1}, or leave it out")
     results = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.seq_len)
-  except (config_lib.ConfigError, FileNotFoundError, ValueError) as e:
+  except (config_lib.ConfigError, FileNotFoundError, ValueError,
+          checkpoint_lib.CorruptCheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   print(f"evaluation of {FLAGS.workdir} at step {results['step']}:")

@@ -103,7 +103,26 @@ def restore_for_inference(workdir: str, step: Optional[int] = None
   return cfg, {"params": params, "moe_state": moe_state}, int(meta["step"])
 
 
+def _check_flags(argv_flags) -> None:
+  """ConfigError naming the flag for values that would otherwise be replaced or ignored."""
+  if argv_flags.workdir and (argv_flags.gin_file or argv_flags.gin_bindings):
+    raise config_lib.ConfigError(
+        "--workdir restores a run with its own config.gin; --gin_file/--gin_bindings would be "
+        "ignored: pass one or the other")
+  if argv_flags.step is not None and not argv_flags.workdir:
+    raise config_lib.ConfigError("--step needs --workdir (a fresh model has no steps)")
+  if argv_flags.max_new_tokens < 1:
+    raise config_lib.ConfigError(
+        f"--max_new_tokens={argv_flags.max_new_tokens} is not allowed: an integer >= 1")
+  if not argv_flags.temperature >= 0:
+    raise config_lib.ConfigError(
+        f"--temperature={argv_flags.temperature} is not allowed: >= 0 (0 is greedy)")
+  if argv_flags.top_k < 0:
+    raise config_lib.ConfigError(f"--top_k={argv_flags.top_k} is not allowed: >= 0 (0: all)")
+
+
 def _load(argv_flags) -> tuple[config_lib.Config, dict, str]:
+  _check_flags(argv_flags)
   if argv_flags.workdir:
     cfg, variables, step = restore_for_inference(argv_flags.workdir, argv_flags.step)
     return cfg, variables, f"checkpoint step {step} of {argv_flags.workdir}"
@@ -116,10 +135,13 @@ def _load(argv_flags) -> tuple[config_lib.Config, dict, str]:
 
 def main(argv):
   del argv
+  from k3jax import checkpoint as checkpoint_lib
+  checkpoint_lib.quiet_logging()
   compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   try:
     cfg, variables, source = _load(FLAGS)
-  except (config_lib.ConfigError, FileNotFoundError, ValueError) as e:
+  except (config_lib.ConfigError, FileNotFoundError, ValueError,
+          checkpoint_lib.CorruptCheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
   tokenizer = make_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_path)

@@ -112,6 +112,8 @@ def test_evaluate_workdir_matches_direct_evaluation(tmp_path):
 def test_evaluate_workdir_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="config.gin"):
     evaluate_lib.evaluate_workdir(str(tmp_path))
+  with pytest.raises(ValueError, match="seq_len=0 is not allowed"):   # was: silently 2048
+    evaluate_lib.evaluate_workdir(str(tmp_path), seq_len=0)
 
 
 @pytest.mark.slow
