@@ -6,7 +6,10 @@
 #   experiments/sweeps/tiny_lr_sweep.sh [ROOT_DIR] [extra k3jax.train flags...]
 #
 # e.g.  experiments/sweeps/tiny_lr_sweep.sh /tmp/sweep --max_steps=60
-# Results: ROOT_DIR/<name>/{metrics.jsonl,eval.json,plots/}; a summary table is printed at the end.
+# Results: ROOT_DIR/<name>/{metrics.jsonl,eval.json,plots/} (also when --max_steps stops a run
+# early: eval.json then holds a validation pass at that step); a summary table of each run's last
+# evaluation is printed at the end. Re-launching with the same --max_steps finds every run done
+# and only prints the table; a larger --max_steps continues them.
 set -euo pipefail
 
 ROOT="${1:-runs/tiny_lr_sweep}"
