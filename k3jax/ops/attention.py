@@ -27,11 +27,13 @@ Implementations:
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
+from k3jax import sharding
 from k3jax.ops import attention_gpu
 from k3jax.ops.attention_blockwise import blockwise_attention, blockwise_max_logits
 
@@ -199,15 +201,19 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
                               kv_block=kv_block or DEFAULT_KV_BLOCK)
   elif impl == "cudnn" and q_seg is None:
     out = attention_gpu.cudnn_causal_attention(q, k, v, scale=scale, causal=causal)
-  elif impl == "cudnn":
-    out = attention_gpu.cudnn_packed_attention(q, k, v, q_seg, scale=scale, causal=causal,
-                                               max_documents=max_documents)
-  elif impl == "tokamax":
-    out = attention_gpu.tokamax_attention(q, k, v, q_seg, scale=scale, causal=causal)
   else:
-    out = attention_gpu.pallas_attention(
-        q, k, v, q_seg, scale=scale, causal=causal,
-        forward="tokamax" if impl == "tokamax_pallas_bwd" else "pallas")
+    if impl == "cudnn":
+      kernel = functools.partial(attention_gpu.cudnn_packed_attention,
+                                 max_documents=max_documents)
+    elif impl == "tokamax":
+      kernel = attention_gpu.tokamax_attention
+    else:
+      kernel = functools.partial(attention_gpu.pallas_attention,
+                                 forward="tokamax" if impl == "tokamax_pallas_bwd" else "pallas")
+    # The kernels are opaque custom calls that XLA cannot split along a sharded batch (it would
+    # gather every row onto every device): each device runs them on its own rows.
+    out = sharding.map_over_batch_shards(
+        lambda q, k, v, seg: kernel(q, k, v, seg, scale=scale, causal=causal), q, k, v, q_seg)
   return out.astype(q.dtype)
 
 
