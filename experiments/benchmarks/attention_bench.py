@@ -237,7 +237,7 @@ def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--variants", default=",".join(VARIANTS))
   p.add_argument("--modes", default="fwd,fwdbwd")
-  p.add_argument("--shapes", default="8192x1,65536x8", help="TxDOCS,... for the timings")
+  p.add_argument("--shapes", default="8192x1,65536x8", help="TxDOCS,... for the timings ('' for none)")
   p.add_argument("--numerics-t", default="2048,8192", help="T of the numerics rows ('' for none)")
   p.add_argument("--numerics-docs", type=int, default=8)
   p.add_argument("--heads", type=int, default=6)
@@ -260,7 +260,7 @@ def main():
        jax=jax.__version__, variants=args.variants)
   for t in (int(x) for x in args.numerics_t.split(",") if x):
     numerics(args, t, args.heads, args.head_dim, args.v_dim)
-  for shape in args.shapes.split(","):
+  for shape in (x for x in args.shapes.split(",") if x):
     t, n_docs = (int(x) for x in shape.split("x"))
     timings(args, t, n_docs, args.heads, args.head_dim, args.v_dim)
 
