@@ -117,6 +117,12 @@ class ModelConfig:
   # independent of depth; parameters stacked on a leading 'layers' axis). False: a Python loop over
   # the layers, each with its own parameters (debugging, the reference of the tests).
   scan_layers: bool = True
+  # Position-wise parts in sequence chunks (k3jax/ops/chunking.py): > 0 runs the dense FFN, the
+  # MoE's latent projections, routed experts and shared experts, and (in training) the LM head
+  # with the loss over chunks of at most this many tokens (B rows x T/n positions), each chunk
+  # rematerialised, so that no [B*T, wide] intermediate is alive whole; the router and the
+  # balancing statistics still see the whole batch. 0: off. Changes memory and time, not values.
+  position_chunk_tokens: int = 0
 
   def layer_kind(self, i: int) -> str:
     """'mla' or 'kda' for 0-based layer index i."""
@@ -147,6 +153,9 @@ class ModelConfig:
     _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
     _check(isinstance(self.scan_layers, bool), p + "scan_layers", "True or False",
            self.scan_layers)
+    _check(isinstance(self.position_chunk_tokens, int) and self.position_chunk_tokens >= 0,
+           p + "position_chunk_tokens", "an integer >= 0 (0: no chunking)",
+           self.position_chunk_tokens)
     _check(self.kda_chunk_size % 16 == 0, p + "kda_chunk_size", "a multiple of 16 (16, 32, 64, ...)",
            self.kda_chunk_size)
     lb = self.kda_gate_lower_bound
@@ -178,6 +187,10 @@ class ModelConfig:
              self.moe_grouped_matmul)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
+      _check(self.position_chunk_tokens == 0 or self.moe_capacity_factor == 0.0,
+             p + "moe_capacity_factor",
+             "0 (dropless) when position_chunk_tokens > 0 (expert capacities would be per chunk)",
+             self.moe_capacity_factor)
       _check(self.first_k_dense < self.num_layers, p + "first_k_dense",
              f"smaller than num_layers={self.num_layers} when experts are used", self.first_k_dense)
 

@@ -8,48 +8,123 @@
 For |a| ≪ β1 and |b| ≪ β2 this is SwiGLU (silu(a)·b); everywhere it is smooth and bounded, which is
 what K3 uses instead of rotations to keep activation outliers in check for low-precision training.
 The activation math always runs in fp32 (ARCHITECTURE.md §4).
+
+With `ModelConfig.position_chunk_tokens` > 0 the layer runs over [B, T, d] inputs in rematerialised
+sequence chunks (`k3jax.ops.chunking`): its [B·T, m] hidden activations are never alive whole.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers import common
+from k3jax.ops.chunking import map_position_chunks
 # The activation math lives in ops (ops may not import layers); this module is its public home.
 from k3jax.ops.moe import situ, situ_glu, softcap  # noqa: F401
 
-__all__ = ["situ", "softcap", "situ_glu", "SiTUGLU"]
+__all__ = ["situ", "softcap", "situ_glu", "situ_glu_ffn", "SiTUGLU", "SiTUGLUWeights"]
 
 
-class SiTUGLU(nn.Module):
-  """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)); the output width equals the input width.
+class Kernel(nn.Module):
+  """One weight matrix stored as `<name>/kernel`, exactly where `common.Dense` keeps its own (same
+  path, initialiser and logical axes, hence the same values and checkpoints), returned as the raw
+  array so that a pure function can use it inside a `lax.map` over chunks.
 
-  Attributes:
-    config: model config (dtype, param_dtype, init_std, situ_beta1, situ_beta2).
-    hidden_dim: the GLU's hidden width m.
-    in_axis: logical axis name of the input/output width (params 'gate'/'up' are
-      (in_axis, hidden_axis), 'out' is (hidden_axis, in_axis)).
-    hidden_axis: logical axis name of the hidden width.
-  Input x [..., d] any float dtype; output [..., d] in config.dtype.
+  Attributes: shape (d_in, d_out); axes their logical names; init_std; param_dtype.
   """
+  shape: tuple
+  axes: tuple
+  init_std: float
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return common.logical_param(self, "kernel", self.shape, self.axes,
+                                common.normal_init(self.init_std), self.param_dtype)
+
+
+def glu_kernels(cfg: ModelConfig, width: int, hidden_dim: int, in_axis: str, hidden_axis: str
+                ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """Declares, in the flax module whose compact method calls this, the submodules 'gate', 'up'
+  ([width, hidden_dim]) and 'out' ([hidden_dim, width]); returns their kernels in param_dtype."""
+  if hidden_dim <= 0:
+    raise ValueError(f"SiTUGLU.hidden_dim = {hidden_dim}: must be a positive integer")
+  param_dtype = common.to_dtype(cfg.param_dtype)
+  kernel = lambda shape, axes, name: Kernel(shape, axes, cfg.init_std, param_dtype,  # noqa: E731
+                                            name=name)()
+  return (kernel((width, hidden_dim), (in_axis, hidden_axis), "gate"),
+          kernel((width, hidden_dim), (in_axis, hidden_axis), "up"),
+          kernel((hidden_dim, width), (hidden_axis, in_axis), "out"))
+
+
+def situ_glu_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, *,
+                 dtype, beta1: float, beta2: float) -> jax.Array:
+  """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)), a pure function.
+
+  x [..., d] any float dtype; w_gate, w_up [d, m]; w_out [m, d] (any float dtype). The matmuls run
+  in `dtype` (inputs and weights cast to it), the activation math in fp32; returns [..., d] in
+  `dtype`.
+  """
+  x = x.astype(dtype)
+  gate = jnp.dot(x, w_gate.astype(dtype))
+  up = jnp.dot(x, w_up.astype(dtype))
+  h = situ_glu(gate, up, beta1, beta2).astype(dtype)
+  return jnp.dot(h, w_out.astype(dtype))
+
+
+class SiTUGLUWeights(nn.Module):
+  """The parameters of a `SiTUGLU` (same names and shapes) without the computation: call with the
+  width d to get (w_gate [d, m], w_up [d, m], w_out [m, d]) for `situ_glu_ffn`. Used where the GLU
+  runs inside another layer's chunk loop (the MoE's shared experts)."""
   config: ModelConfig
   hidden_dim: int
   in_axis: str = "embed"
   hidden_axis: str = "mlp"
 
   @nn.compact
+  def __call__(self, width: int) -> tuple[jax.Array, jax.Array, jax.Array]:
+    return glu_kernels(self.config, width, self.hidden_dim, self.in_axis, self.hidden_axis)
+
+
+class SiTUGLU(nn.Module):
+  """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)); the output width equals the input width.
+
+  Attributes:
+    config: model config (dtype, param_dtype, init_std, situ_beta1, situ_beta2,
+      position_chunk_tokens).
+    hidden_dim: the GLU's hidden width m.
+    in_axis: logical axis name of the input/output width (params 'gate'/'up' are
+      (in_axis, hidden_axis), 'out' is (hidden_axis, in_axis)).
+    hidden_axis: logical axis name of the hidden width.
+    chunk_tokens: tokens per sequence chunk for [B, T, d] inputs; None:
+      config.position_chunk_tokens; 0: never chunked.
+  Input x [..., d] any float dtype; output [..., d] in config.dtype. Only 3-d inputs [B, T, d] are
+  chunked.
+  """
+  config: ModelConfig
+  hidden_dim: int
+  in_axis: str = "embed"
+  hidden_axis: str = "mlp"
+  chunk_tokens: Optional[int] = None
+
+  @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     cfg = self.config
-    if self.hidden_dim <= 0:
-      raise ValueError(f"SiTUGLU.hidden_dim = {self.hidden_dim}: must be a positive integer")
+    w_gate, w_up, w_out = glu_kernels(cfg, x.shape[-1], self.hidden_dim, self.in_axis,
+                                      self.hidden_axis)
     dtype = common.to_dtype(cfg.dtype)
-    param_dtype = common.to_dtype(cfg.param_dtype)
-    dense = lambda features, axes, name: common.Dense(  # noqa: E731
-        features, axes=axes, dtype=dtype, param_dtype=param_dtype, init_std=cfg.init_std,
-        name=name)
-    gate = dense(self.hidden_dim, (self.in_axis, self.hidden_axis), "gate")(x)
-    up = dense(self.hidden_dim, (self.in_axis, self.hidden_axis), "up")(x)
-    h = situ_glu(gate, up, cfg.situ_beta1, cfg.situ_beta2).astype(dtype)
-    return dense(x.shape[-1], (self.hidden_axis, self.in_axis), "out")(h)
+
+    def ffn(v):
+      return situ_glu_ffn(v, w_gate, w_up, w_out, dtype=dtype, beta1=cfg.situ_beta1,
+                          beta2=cfg.situ_beta2)
+
+    chunk = cfg.position_chunk_tokens if self.chunk_tokens is None else self.chunk_tokens
+    if x.ndim != 3 or chunk <= 0:
+      return ffn(x)
+    y, _ = map_position_chunks(lambda v: (ffn(v), ()), [x], chunk)
+    return y

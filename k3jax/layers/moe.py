@@ -27,7 +27,8 @@ import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
 from k3jax.layers import common
-from k3jax.layers.ffn import SiTUGLU
+from k3jax.layers.ffn import Kernel, SiTUGLUWeights, situ_glu_ffn
+from k3jax.ops.chunking import map_position_chunks
 from k3jax.ops.moe import QB_CUTOFFS, default_ragged_dot, qb_margins
 from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
 
@@ -228,6 +229,18 @@ class Router(nn.Module):
     return scores, expert_idx.astype(jnp.int32), weights
 
 
+class _NormScale(nn.Module):
+  """The learned scale [width] of an RMSNorm, stored as `<name>/scale` exactly where
+  `common.RMSNorm` keeps it (ones at init, logical axis 'norm'); returned raw for `rms_norm`."""
+  width: int
+  param_dtype: jnp.dtype = jnp.float32
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    return common.logical_param(self, "scale", (self.width,), ("norm",), nn.initializers.ones,
+                                self.param_dtype)
+
+
 def _sow_value(module: nn.Module, name: str, value: jax.Array) -> None:
   """Sows `value` itself (not a tuple of calls) so that moe_stats holds plain arrays."""
   module.sow("moe_stats", name, value, init_fn=lambda: None, reduce_fn=lambda _, new: new)
@@ -258,6 +271,12 @@ class LatentMoE(nn.Module):
 
   Balancing options: moe_balance, moe_qb_cutoff, moe_qb_rate, moe_qb_histogram_bins (0: exact
   sort-based quantile; > 0: quantile from per-expert histograms, as across hosts).
+
+  Sequence chunks (position_chunk_tokens > 0): the router, the load statistics and the balancing
+  update run over the whole batch (they need every token; the [B·T, E] scores are small), while
+  the down projection, dispatch, grouped expert matmuls, combine, latent norm, up projection and
+  shared experts run per chunk of positions (`k3jax.ops.chunking.map_position_chunks`), each
+  rematerialised in the backward pass. Same values as unchunked.
   """
   config: ModelConfig
 
@@ -295,14 +314,16 @@ class LatentMoE(nn.Module):
     expert_idx = expert_idx.reshape(tokens, k)
     weights = weights.reshape(tokens, k)
 
+    # Every weight is declared here, outside the chunk loop (flax modules cannot be called inside
+    # a lax.map); `routed_and_shared` is then a pure function of a chunk of positions.
+    kernel_kw = dict(init_std=cfg.init_std, param_dtype=param_dtype)
     if cfg.moe_latent_dim > 0:
-      z = common.Dense(cfg.moe_latent_dim, axes=("embed", "latent"), dtype=dtype,
-                       param_dtype=param_dtype, init_std=cfg.init_std, name="down")(x)
+      w_down = Kernel((width, cfg.moe_latent_dim), ("embed", "latent"), **kernel_kw,
+                      name="down")()
       latent_axis = "latent"
     else:
-      z = x.astype(dtype)
       latent_axis = "embed"
-    latent = z.shape[-1]
+    latent = cfg.moe_latent_dim if cfg.moe_latent_dim > 0 else width
     hidden = cfg.moe_expert_dim
     w_gate = common.logical_param(self, "w_gate", (num_experts, latent, hidden),
                                   ("expert", latent_axis, "mlp"), init, param_dtype)
@@ -310,20 +331,42 @@ class LatentMoE(nn.Module):
                                 ("expert", latent_axis, "mlp"), init, param_dtype)
     w_out = common.logical_param(self, "w_out", (num_experts, hidden, latent),
                                  ("expert", "mlp", latent_axis), init, param_dtype)
-    # Expert-parallel (all-to-all) when the active mesh has an expert axis > 1, else local.
-    routed, stats = routed_experts_auto(
-        z.reshape(tokens, latent), expert_idx, weights, w_gate, w_up, w_out,
-        beta1=cfg.situ_beta1, beta2=cfg.situ_beta2, capacity_factor=cfg.moe_capacity_factor,
-        valid=valid, ragged_dot_fn=default_ragged_dot(cfg.moe_grouped_matmul))
     if cfg.moe_latent_norm:
-      routed = common.RMSNorm(cfg.norm_eps, dtype=dtype, param_dtype=param_dtype,
-                              name="latent_norm")(routed)
+      norm_scale = _NormScale(latent, param_dtype, name="latent_norm")()
     if cfg.moe_latent_dim > 0:
-      routed = common.Dense(width, axes=("latent", "embed"), dtype=dtype, param_dtype=param_dtype,
-                            init_std=cfg.init_std, name="up")(routed)
-    y = routed.reshape(batch, length, width).astype(dtype)
+      w_lift = Kernel((latent, width), ("latent", "embed"), **kernel_kw, name="up")()
     if cfg.moe_num_shared > 0:
-      y = y + SiTUGLU(cfg, cfg.moe_num_shared * cfg.moe_shared_dim, name="shared")(x)
+      shared = SiTUGLUWeights(cfg, cfg.moe_num_shared * cfg.moe_shared_dim, name="shared")(width)
+    ragged_dot_fn = default_ragged_dot(cfg.moe_grouped_matmul)
+
+    def routed_and_shared(x_c, valid_c, idx_c, weight_c):
+      """[b, c, d] positions with their [b, c] validity and [b, c, k] routing -> ([b, c, d] in
+      dtype, {'load': [E] fp32, 'dropped': int32 []} of these positions)."""
+      b, c = x_c.shape[:2]
+      n = b * c
+      z = x_c.reshape(n, width).astype(dtype)
+      if cfg.moe_latent_dim > 0:
+        z = jnp.dot(z, w_down.astype(dtype))
+      # Expert-parallel (all-to-all) when the active mesh has an expert axis > 1, else local.
+      routed, stats = routed_experts_auto(
+          z, idx_c.reshape(n, k), weight_c.reshape(n, k), w_gate, w_up, w_out,
+          beta1=cfg.situ_beta1, beta2=cfg.situ_beta2, capacity_factor=cfg.moe_capacity_factor,
+          valid=valid_c.reshape(n), ragged_dot_fn=ragged_dot_fn)
+      if cfg.moe_latent_norm:
+        routed = common.rms_norm(routed, cfg.norm_eps, norm_scale).astype(dtype)
+      if cfg.moe_latent_dim > 0:
+        routed = jnp.dot(routed.astype(dtype), w_lift.astype(dtype))
+      y_c = routed.reshape(b, c, width).astype(dtype)
+      if cfg.moe_num_shared > 0:
+        y_c = y_c + situ_glu_ffn(x_c, *shared, dtype=dtype, beta1=cfg.situ_beta1,
+                                 beta2=cfg.situ_beta2)
+      return y_c, {"load": stats["load"], "dropped": stats["dropped"]}
+
+    valid_bt = (jnp.ones((batch, length), bool) if valid is None
+                else valid.reshape(batch, length))
+    y, stats = map_position_chunks(
+        routed_and_shared, [x, valid_bt, expert_idx.reshape(batch, length, k),
+                            weights.reshape(batch, length, k)], cfg.position_chunk_tokens)
 
     if not self.is_initializing():
       load = stats["load"]

@@ -79,3 +79,50 @@ def test_layer_matches_numpy(dtype):
   tol = 1e-5 if dtype == "float32" else 5e-2
   np.testing.assert_allclose(np.asarray(y, np.float64), ref, rtol=tol, atol=tol)
   assert params["gate"]["kernel"].shape == (16, 24) and params["out"]["kernel"].shape == (24, 16)
+
+
+def test_chunked_layer_equals_unchunked():
+  """position_chunk_tokens: values and gradients (params and input) equal the whole-sequence
+  layer, with T not a multiple of the chunk; the parameters are the same tree."""
+  cfg = dataclasses.replace(ModelConfig(), init_std=0.3)
+  x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 11, 16)), jnp.float32)
+  whole = SiTUGLU(cfg, hidden_dim=24)
+  chunked = SiTUGLU(dataclasses.replace(cfg, position_chunk_tokens=6), hidden_dim=24)
+  params = nn.unbox(jax.jit(whole.init)(jax.random.key(1, impl="rbg"), x)["params"])
+  shapes = jax.eval_shape(chunked.init, jax.random.key(1, impl="rbg"), x)["params"]
+  assert jax.tree.structure(nn.unbox(shapes)) == jax.tree.structure(params)
+
+  def loss(layer):
+    return jax.jit(jax.value_and_grad(
+        lambda p, x: jnp.sum(jnp.sin(layer.apply({"params": p}, x))), argnums=(0, 1)))
+
+  want, got = loss(whole)(params, x), loss(chunked)(params, x)
+  for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(chunked.apply({"params": params}, x),
+                             whole.apply({"params": params}, x), rtol=1e-6, atol=1e-6)
+
+
+def test_kernel_is_stored_like_dense():
+  """`Kernel` (used so that the chunked GLU can map a pure function) keeps its weight where and
+  as `common.Dense` did: same path and the same initial values, so checkpoints carry over."""
+  from k3jax.layers import common
+  from k3jax.layers.ffn import Kernel
+
+  class WithDense(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return common.Dense(7, axes=("embed", "mlp"), init_std=0.5, name="gate")(x)
+
+  class WithKernel(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+      return x @ Kernel((x.shape[-1], 7), ("embed", "mlp"), 0.5, name="gate")()
+
+  x = jnp.ones((3, 5))
+  key = jax.random.key(4, impl="rbg")
+  a = jax.jit(WithDense().init)(key, x)["params"]
+  b = jax.jit(WithKernel().init)(key, x)["params"]
+  assert a["gate"]["kernel"].names == b["gate"]["kernel"].names == ("embed", "mlp")
+  np.testing.assert_array_equal(np.asarray(nn.unbox(a)["gate"]["kernel"]),
+                                np.asarray(nn.unbox(b)["gate"]["kernel"]))

@@ -215,6 +215,47 @@ def test_latent_moe_capacity_and_bf16():
   assert int(aux["moe_stats"]["dropped"]) == np.maximum(load - cap, 0).sum()
 
 
+@pytest.mark.parametrize("balance", ["quantile", "loss_free", "aux_loss"])
+def test_latent_moe_chunked_equals_unchunked(balance):
+  """position_chunk_tokens: outputs, loads, MaxVio, aux loss, the balance bias update and the
+  gradients (params and input) equal the whole-batch layer; T is not a multiple of the chunk and
+  the batch has padding."""
+  cfg = _cfg(moe_num_experts=8, moe_top_k=2, moe_balance=balance)
+  x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 11, 16)), jnp.float32)
+  mask = jnp.ones((2, 11), bool).at[1, 7:].set(False)
+  whole = LatentMoE(cfg)
+  chunked = LatentMoE(dataclasses.replace(cfg, position_chunk_tokens=6))
+  variables = _random_variables(whole, 9, x, mask)
+  variables["moe_state"]["bias"] = jnp.linspace(-0.2, 0.2, 8)
+  shapes = nn.unbox(jax.eval_shape(chunked.init, jax.random.PRNGKey(0), x, mask))
+  assert jax.tree.structure(shapes) == jax.tree.structure(variables)
+
+  def run(layer):
+    def loss(params, x):
+      y, new = layer.apply({"params": params, "moe_state": variables["moe_state"]}, x, mask,
+                           update_balance=True, mutable=["moe_state", "moe_stats"])
+      return jnp.sum(jnp.sin(y)), (y, new)
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(variables["params"], x)
+
+  (l0, (y0, new0)), g0 = run(whole)
+  (l1, (y1, new1)), g1 = run(chunked)
+  np.testing.assert_allclose(np.asarray(y1), np.asarray(y0), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(new1["moe_stats"]["load"]),
+                                np.asarray(new0["moe_stats"]["load"]))
+  assert float(jnp.sum(new1["moe_stats"]["load"])) == 18 * 2
+  assert set(new1["moe_stats"]) == set(new0["moe_stats"])
+  for name in new0["moe_stats"]:
+    np.testing.assert_allclose(np.asarray(new1["moe_stats"][name]),
+                               np.asarray(new0["moe_stats"][name]), rtol=1e-6, err_msg=name)
+  np.testing.assert_allclose(np.asarray(new1["moe_state"]["bias"]),
+                             np.asarray(new0["moe_state"]["bias"]), rtol=1e-6, atol=1e-7)
+  if balance != "aux_loss":
+    assert not np.allclose(np.asarray(new0["moe_state"]["bias"]), np.linspace(-0.2, 0.2, 8))
+  for got, want in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+
+
 # ------------------------------------------------------------------------------ quantile balance
 
 # k = 1, n = 3, m = 6, so q = 2: t_j is the 3rd largest margin of column j.
