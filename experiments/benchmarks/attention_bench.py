@@ -97,6 +97,39 @@ def previous_dense_mask_cudnn(q, k, v, seg, *, scale):
   return out * jnp.any(mask, axis=-1)[:, :, None, None].astype(out.dtype)
 
 
+def _packed_layout(segment_ids: jax.Array, max_documents: int):
+  """cuDNN's per-row document table: lengths [B, M] and offsets [B, M + 1] (unused: -1), and
+  whether a row has more than M runs ([B] bool)."""
+  b, t = segment_ids.shape
+  start, end = attention_gpu.document_bounds(segment_ids)
+  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+  is_first = start == idx
+  run = jnp.cumsum(is_first, axis=1, dtype=jnp.int32) - 1
+  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
+  slot = jnp.where(is_first & (run < max_documents), run, max_documents + 1)  # +1: dropped
+  offsets = jnp.full((b, max_documents + 1), -1, jnp.int32).at[rows, slot].set(idx, mode="drop")
+  lengths = jnp.full((b, max_documents), -1, jnp.int32).at[rows, slot].set(end - start,
+                                                                          mode="drop")
+  return lengths, offsets, run[:, -1] + 1 > max_documents
+
+
+def cudnn_packed_attention(  # tried, not a k3jax path: wrong outputs on an H200 (run 9)
+    q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
+                           max_documents: int) -> jax.Array:
+  """cuDNN flash attention in the packed (THD) layout, one sequence per document (sm90+, cuDNN
+  >= 9.10 for q/k head dim != v head dim). Shapes as `tokamax_attention`; a row with more than
+  `max_documents` runs (padding runs included) returns NaN."""
+  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # pylint: disable=import-outside-toplevel
+  lengths, offsets, overflow = _packed_layout(segment_ids, max_documents)
+  mask_type = cudnn_fa.MaskType.PADDING_CAUSAL if causal else cudnn_fa.MaskType.PADDING
+  out = cudnn_fa.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
+                                       q_offsets=offsets, kv_offsets=offsets, scale=scale,
+                                       mask_type=mask_type, qkv_layout="BTNH")
+  out = jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(q.dtype)
+  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0)
+
+
+
 def variant_fns(name: str, seg, scale: float, args) -> list[tuple[str, object]]:
   """[(label, f(q, k, v) -> out)] for one variant (several for the Pallas configurations)."""
   seg = jnp.asarray(seg)
@@ -119,7 +152,7 @@ def variant_fns(name: str, seg, scale: float, args) -> list[tuple[str, object]]:
           cfg=cfg, forward=forward)))
     return out
   if name == "cudnn_packed":
-    return [(name, lambda q, k, v: attention_gpu.cudnn_packed_attention(
+    return [(name, lambda q, k, v: cudnn_packed_attention(
         q, k, v, seg, scale=scale, causal=True, max_documents=args.max_documents))]
   if name == "xla":
     return [(name, lambda q, k, v: attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg,

@@ -10,19 +10,23 @@ Masking rules (query t, key s of the same batch row):
     (0 is padding). Queries that see no key at all (padding) return zeros.
   * causal: t sees s only when `kv_positions[s] <= q_positions[t]`. Without positions, queries and keys
     are the same tokens (T == S) and position = index.
-The GPU document kernels ('tokamax', 'tokamax_pallas_bwd', 'pallas', 'cudnn' with segment ids) take
+The GPU document kernels ('tokamax', 'tokamax_pallas_bwd', 'pallas') take
 each run of equal segment ids as one document (`attention_gpu.document_bounds`); that is the same
 mask when every document of a row is one contiguous run, as in packed rows.
 
 Implementations:
   'xla'                 blockwise flash attention in XLA (`attention_blockwise`), any inputs.
-  'cudnn'               cuDNN: plain causal without segment ids; the packed (THD) layout with them
-                        (needs `max_documents`).
+  'cudnn'               cuDNN, rows without segment ids only (plain causal or no mask).
   'tokamax'             tokamax Mosaic GPU (sm90+) forward, its stock backward.
   'tokamax_pallas_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention` backward.
   'pallas'              `pallas_kernels.flash_attention` forward and backward (Triton).
   'auto'                on an NVIDIA GPU with bf16/fp16 self-attention: 'cudnn' without segment
-                        ids, 'tokamax' with them on sm90+; 'xla' otherwise (CPU, positions, fp32).
+                        ids; with them on sm90+, 'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row
+                        and 'tokamax_pallas_bwd' above; 'xla' otherwise (CPU, positions, fp32).
+Measured on an H200 at MLA's head dims (RESULTS.md, run 9), forward+backward ms: T = 8192 with one
+document, tokamax 1.52, tokamax + Pallas backward 2.09; T = 65536 with 8 documents, tokamax 62.7
+(its backward pays a whole causal pass), tokamax + Pallas backward 18.6 (the previous dense-mask
+cuDNN path: 438).
 """
 
 from __future__ import annotations
@@ -42,6 +46,9 @@ IMPLEMENTATIONS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pal
 # XLA path: tokens per query / key block. A block step holds B·H·Q_BLOCK·KV_BLOCK fp32 logits.
 DEFAULT_Q_BLOCK = 512
 DEFAULT_KV_BLOCK = 512
+# 'auto' on packed rows: tokamax's stock backward up to this row length (rows of about one document,
+# where its causal pass wastes little and runs faster), the block-skipping Pallas backward above.
+AUTO_TOKAMAX_MAX_T = 16384
 
 
 def _positions(pos: Optional[jax.Array], batch: int, length: int, name: str) -> Optional[jax.Array]:
@@ -100,11 +107,17 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
     if has_positions:
       return "xla"
     if has_segments:
-      return "tokamax" if _gpu_unusable_reason(q, v, (9, 0)) is None else "xla"
+      if _gpu_unusable_reason(q, v, (9, 0)) is not None:
+        return "xla"
+      return "tokamax" if q.shape[1] <= AUTO_TOKAMAX_MAX_T else "tokamax_pallas_bwd"
     return "cudnn" if _gpu_unusable_reason(q, v, (8, 0)) is None else "xla"
   if has_positions:
     raise ValueError(f"implementation={implementation!r} takes no q_positions/kv_positions "
                      "(self-attention over packed rows only); use 'xla' or 'auto'")
+  if implementation == "cudnn" and has_segments:
+    raise ValueError("implementation='cudnn' runs rows without segment ids only: cuDNN's packed "
+                     "layout gave wrong outputs on an H200 (RESULTS.md, run 9); use "
+                     "'tokamax_pallas_bwd', 'tokamax' or 'auto' for packed rows")
   if implementation in ("tokamax_pallas_bwd", "pallas") and not has_segments:
     raise ValueError(f"implementation={implementation!r} needs segment ids; rows without them "
                      "run on 'cudnn', 'tokamax' or 'xla'")
@@ -125,8 +138,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
               scale: Optional[float] = None,
               implementation: str = "auto",
               q_block: Optional[int] = None,
-              kv_block: Optional[int] = None,
-              max_documents: Optional[int] = None) -> jax.Array:
+              kv_block: Optional[int] = None) -> jax.Array:
   """Multi-head softmax attention (MHA, or GQA/MQA when k/v have fewer heads).
 
   Args:
@@ -141,8 +153,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     scale: logit scale; default D**-0.5.
     implementation: one of IMPLEMENTATIONS (module docstring).
     q_block / kv_block: XLA path only: tokens per query / key block (default 512 each).
-    max_documents: 'cudnn' with segment ids only: the static bound on runs of equal segment ids
-      (padding runs included) per row; a row with more gives NaN.
 
   Returns:
     [B, T, H, Dv] in q.dtype. Queries that see no key (padding) give zeros.
@@ -171,8 +181,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   for name, block in (("q_block", q_block), ("kv_block", kv_block)):
     if block is not None and block <= 0:
       raise ValueError(f"{name} must be a positive integer or None, got {block}")
-  if max_documents is not None and max_documents <= 0:
-    raise ValueError(f"max_documents must be a positive integer or None, got {max_documents}")
   scale = float(d ** -0.5) if scale is None else float(scale)
 
   q_seg = _segments(q_segment_ids, b, t, "q_segment_ids")
@@ -186,9 +194,6 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
     if t != s or q_segment_ids is not kv_segment_ids:
       raise ValueError(f"implementation={impl!r} attends within documents of one row: "
                        "q_segment_ids and kv_segment_ids must be the same array (T == S)")
-    if impl == "cudnn" and max_documents is None:
-      raise ValueError("implementation='cudnn' with segment ids runs cuDNN's packed layout and "
-                       "needs max_documents (runs of equal ids per row, padding runs included)")
 
   if impl == "xla":
     if q_seg is None:
@@ -202,10 +207,7 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   elif impl == "cudnn" and q_seg is None:
     out = attention_gpu.cudnn_causal_attention(q, k, v, scale=scale, causal=causal)
   else:
-    if impl == "cudnn":
-      kernel = functools.partial(attention_gpu.cudnn_packed_attention,
-                                 max_documents=max_documents)
-    elif impl == "tokamax":
+    if impl == "tokamax":
       kernel = attention_gpu.tokamax_attention
     else:
       kernel = functools.partial(attention_gpu.pallas_attention,

@@ -15,9 +15,10 @@ would join them): packed rows (`k3jax.data.packing`) number their documents in o
   * `pallas_attention`: the same ranges through `pallas_kernels.flash_attention`, whose dq and dk/dv
     kernels skip every block outside the documents; forward either tokamax's (its log-sum-exp
     residuals feed our backward) or our own Triton kernel.
-  * `cudnn_packed_attention`: cuDNN's packed (THD) layout through jax's cuDNN fused attention with
-    per-document offsets and lengths: each document is its own sequence, forward and backward.
-    The number of runs per row is bounded by a static `max_documents` (a row with more gives NaN).
+  (cuDNN's packed THD layout, one sequence per document, was tried: 10.9 ms forward+backward at
+  T = 65536 with 8 documents on an H200, but outputs off by an error ratio of ~1 and NaN gradients
+  against the dense reference, so it is not a k3jax path; experiments/benchmarks/attention_bench.py
+  keeps it as a variant. RESULTS.md, run 9.)
   * `cudnn_causal_attention`: rows without segment ids (plain causal or no mask).
 """
 
@@ -115,8 +116,13 @@ def _tokamax_forward_lse(q, k, v, segment_ids, *, scale: float, causal: bool):
 
 
 def default_flash_config(interpret: bool = False) -> FlashConfig:
-  """Block sizes for `pallas_attention` (64 × 64 tiles keep head dim 256 within shared memory)."""
-  return FlashConfig(interpret=interpret)
+  """Block sizes for `pallas_attention`: the fastest of four measured on an H200 for the
+  backward at MLA's head dims (q/k 192 padded to 256, v 128), T = 65536 with 8 documents:
+  dq over 128-query × 32-key tiles, dk/dv over 128-key × 32-query tiles, 8 warps, 2 stages
+  (18.6 ms forward+backward with tokamax's forward, against 19.5–28.0 for the others; RESULTS.md,
+  run 9)."""
+  return FlashConfig(block_q=128, block_k=32, block_q_dkv=32, block_k_dkv=128, fwd_launch=(8, 2),
+                     dq_launch=(8, 2), dkv_launch=(8, 2), interpret=interpret)
 
 
 def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
@@ -136,37 +142,6 @@ def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: b
                             causal=causal)
   out = flash_attention(q, k, v, k_lo, k_hi, q_lo, q_hi, scale=scale, config=config,
                         forward=fwd)
-  return _zero_padding(out, segment_ids)
-
-
-def _packed_layout(segment_ids: jax.Array, max_documents: int):
-  """cuDNN's per-row document table: lengths [B, M] and offsets [B, M + 1] (unused: -1), and
-  whether a row has more than M runs ([B] bool)."""
-  b, t = segment_ids.shape
-  start, end = document_bounds(segment_ids)
-  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  is_first = start == idx
-  run = jnp.cumsum(is_first, axis=1, dtype=jnp.int32) - 1
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  slot = jnp.where(is_first & (run < max_documents), run, max_documents + 1)  # +1: dropped
-  offsets = jnp.full((b, max_documents + 1), -1, jnp.int32).at[rows, slot].set(idx, mode="drop")
-  lengths = jnp.full((b, max_documents), -1, jnp.int32).at[rows, slot].set(end - start,
-                                                                          mode="drop")
-  return lengths, offsets, run[:, -1] + 1 > max_documents
-
-
-def cudnn_packed_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
-                           max_documents: int) -> jax.Array:
-  """cuDNN flash attention in the packed (THD) layout, one sequence per document (sm90+, cuDNN
-  >= 9.10 for q/k head dim != v head dim). Shapes as `tokamax_attention`; a row with more than
-  `max_documents` runs (padding runs included) returns NaN."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # pylint: disable=import-outside-toplevel
-  lengths, offsets, overflow = _packed_layout(segment_ids, max_documents)
-  mask_type = cudnn_fa.MaskType.PADDING_CAUSAL if causal else cudnn_fa.MaskType.PADDING
-  out = cudnn_fa.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
-                                       q_offsets=offsets, kv_offsets=offsets, scale=scale,
-                                       mask_type=mask_type, qkv_layout="BTNH")
-  out = jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(q.dtype)
   return _zero_padding(out, segment_ids)
 
 

@@ -266,10 +266,11 @@ def test_dispatch_on_cpu():
   np.testing.assert_allclose(np.asarray(auto), np.asarray(dense_attention(q, k, v, seg)),
                              atol=1e-5)
   if jax.default_backend() != "gpu":
-    for impl in ("tokamax", "tokamax_pallas_bwd", "pallas", "cudnn"):
+    for impl in ("tokamax", "tokamax_pallas_bwd", "pallas"):
       with pytest.raises(ValueError, match="not usable"):
-        attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl,
-                  max_documents=4)
+        attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl)
+  with pytest.raises(ValueError, match="rows without segment ids only"):
+    attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation="cudnn")
   with pytest.raises(ValueError, match="needs segment ids"):
     attention(q, k, v, implementation="pallas")
   with pytest.raises(ValueError, match="takes no q_positions"):
@@ -292,15 +293,6 @@ def test_tokamax_mask_is_the_document_mask():
     want = dense_attention(q, k, v, seg, causal=causal, scale=0.25)
     real = seg != 0
     assert error_ratio(np.asarray(out)[real], np.asarray(want)[real]) < 1e-5
-
-
-def test_cudnn_packed_layout_table():
-  seg = np.array([[1, 1, 1, 2, 2, 0, 0], [1, 1, 1, 1, 1, 1, 1], [1, 2, 3, 4, 5, 0, 0]], np.int32)
-  lengths, offsets, overflow = attention_gpu._packed_layout(jnp.asarray(seg), 4)  # pylint: disable=protected-access
-  np.testing.assert_array_equal(lengths, [[3, 2, 2, -1], [7, -1, -1, -1], [1, 1, 1, 1]])
-  np.testing.assert_array_equal(offsets, [[0, 3, 5, -1, -1], [0, -1, -1, -1, -1],
-                                          [0, 1, 2, 3, -1]])
-  np.testing.assert_array_equal(overflow, [False, False, True])
 
 
 def test_max_attention_logits_blocked_keys():
