@@ -275,6 +275,10 @@ class StagesConfig:
   # Gradient accumulation: each step runs as micro-batches of this many tokens (at least one
   # sequence each) whose gradients are summed before one optimizer update. 0: the whole step.
   microbatch_tokens: int = 0
+  # ModelConfig.remat per stage, one entry per stage (e.g. ('none', 'full', 'full', 'full'): long
+  # rows keep only each layer's inputs for the backward pass); empty: ModelConfig.remat throughout.
+  # See `stage_model_config`.
+  remat: tuple = ()
 
   def validate(self) -> None:
     p = "StagesConfig."
@@ -283,6 +287,10 @@ class StagesConfig:
            p + "microbatch_tokens", f"0 or a divisor of tokens_per_step={self.tokens_per_step}",
            self.microbatch_tokens)
     _check(len(self.stages) > 0, p + "stages", "a non-empty sequence of (seq_len, steps)", self.stages)
+    _check(isinstance(self.remat, (tuple, list)) and len(self.remat) in (0, len(self.stages))
+           and all(r in REMAT_POLICIES for r in self.remat), p + "remat",
+           f"empty (ModelConfig.remat in every stage) or one of {REMAT_POLICIES} per stage "
+           f"({len(self.stages)} entries)", self.remat)
     for s in self.stages:
       _check(len(s) == 2 and all(isinstance(x, int) and x > 0 for x in s), p + "stages",
              "pairs (seq_len, steps) of positive integers", s)
@@ -399,6 +407,17 @@ class Config:
     for f in ("model", "data", "optimizer", "stages", "mesh", "checkpoint", "eval"):
       getattr(self, f).validate()
     return self
+
+
+def stage_model_config(cfg: Config, stage: int) -> ModelConfig:
+  """The model config that stage `stage` (0-based) trains with: `cfg.model` with its remat set to
+  `cfg.stages.remat[stage]` when StagesConfig.remat is given, else `cfg.model` itself."""
+  if not 0 <= stage < len(cfg.stages.stages):
+    raise ValueError(f"stage_model_config: stage={stage} is not in [0, "
+                     f"{len(cfg.stages.stages)}) (StagesConfig.stages)")
+  if not cfg.stages.remat:
+    return cfg.model
+  return dataclasses.replace(cfg.model, remat=cfg.stages.remat[stage])
 
 
 def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Config:

@@ -234,15 +234,18 @@ class DecoderGroup(nn.Module):
 class K3Model(nn.Module):
   """The K3 language model.
 
-  __call__(tokens [B,T] int32, segment_ids [B,T] int32 | None, *, decode, update_balance)
-    -> logits [B,T,vocab] float32.
+  __call__(tokens [B,T] int32, segment_ids [B,T] int32 | None, *, decode, update_balance,
+           return_hidden) -> logits [B,T,vocab] float32.
+  return_hidden=True returns (h [B,T,d] in config.dtype, head [d,vocab] in param_dtype) instead:
+  the final normed hidden states and the LM head, logits = h @ head in fp32, for a loss that never
+  holds [B,T,vocab] logits (`k3jax.loss.chunked_cross_entropy`).
   segment_ids: 0 = padding, 1.. = documents within a row (state resets and attention masking).
   """
   config: ModelConfig
 
   @nn.compact
   def __call__(self, tokens: jax.Array, segment_ids: Optional[jax.Array] = None, *,
-               decode: bool = False, update_balance: bool = False) -> jax.Array:
+               decode: bool = False, update_balance: bool = False, return_hidden: bool = False):
     cfg = self.config
     if tokens.ndim != 2:
       raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")
@@ -293,6 +296,8 @@ class K3Model(nn.Module):
     else:
       head = common.logical_param(self, "lm_head", (cfg.d_model, cfg.vocab_size), ("embed", "vocab"),
                                   common.normal_init(1.0 / math.sqrt(cfg.d_model)), param_dtype)
+    if return_hidden:
+      return h.astype(dtype), head
     logits = jnp.dot(h.astype(dtype), head.astype(dtype), preferred_element_type=jnp.float32)
     return logits.astype(jnp.float32)
 

@@ -52,6 +52,7 @@ from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_l
 from k3jax.evaluate import bytes_per_token, token_cross_entropy
 from k3jax.layers import moe as moe_layers
 from k3jax.flops import flops_per_token
+from k3jax.loss import chunked_cross_entropy
 from k3jax.model import K3Model, init_variables, is_scanned_path
 
 PyTree = Any
@@ -64,6 +65,33 @@ _SYNTHETIC_VALIDATION_OFFSET = 1 << 40
 
 class NonFiniteLossError(RuntimeError):
   """The loss or gradient norm of a step was NaN/inf; nothing of that step was saved."""
+
+
+class StageOutOfMemoryError(RuntimeError):
+  """A stage's training step ran out of device memory (compiling or running); the message names
+  the stage, its row length and batch, and the settings that lower memory."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+  """Whether `error` is XLA's out-of-memory (RESOURCE_EXHAUSTED) at compile or run time."""
+  text = str(error)
+  return ("RESOURCE_EXHAUSTED" in text or "Out of memory" in text
+          or "out of memory" in text.lower())
+
+
+def out_of_memory_message(cfg: config_lib.Config, stage: int, mesh_devices: int = 1) -> str:
+  """One line for a stage's out-of-memory: where it happened and what lowers memory."""
+  scfg = cfg.stages
+  seq_len = scfg.stages[stage][0]
+  batch = scfg.batch_size(stage)
+  rows = scfg.microbatch_rows(seq_len, batch)
+  mcfg = config_lib.stage_model_config(cfg, stage)
+  return (f"out of device memory in stage {stage} (seq_len {seq_len}, batch {batch} rows, "
+          f"{rows} row(s) x {seq_len} tokens per micro-batch, remat {mcfg.remat!r}, "
+          f"position_chunk_tokens {mcfg.position_chunk_tokens}, {mesh_devices} device(s)). "
+          "To lower memory: StagesConfig.remat (or ModelConfig.remat) = 'full' for this stage; "
+          "ModelConfig.position_chunk_tokens > 0 (e.g. 65536); a smaller "
+          "StagesConfig.microbatch_tokens; or a mesh with more devices (--mesh).")
 
 
 @struct.dataclass
@@ -258,9 +286,17 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   mutable = ["moe_state", "moe_stats"] + ([QK_STATS_COLLECTION] if qk_tau > 0 else [])
 
   def loss_fn(params, moe_state, batch):
-    logits, mutated = model.apply({"params": params, "moe_state": moe_state}, batch["inputs"],
-                                  batch["segment_ids"], update_balance=True, mutable=mutable)
-    ce_sum, n = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
+    variables = {"params": params, "moe_state": moe_state}
+    if mcfg.position_chunk_tokens > 0:
+      # The head and the loss over chunks of positions: no [B, T, vocab] logits.
+      (h, head), mutated = model.apply(variables, batch["inputs"], batch["segment_ids"],
+                                       update_balance=True, return_hidden=True, mutable=mutable)
+      ce_sum, n = chunked_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
+                                        mcfg.position_chunk_tokens)
+    else:
+      logits, mutated = model.apply(variables, batch["inputs"], batch["segment_ids"],
+                                    update_balance=True, mutable=mutable)
+      ce_sum, n = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     ce = ce_sum / jnp.maximum(n, 1.0)
     stats = mutated.get("moe_stats", {})
     aux = jnp.zeros([], jnp.float32)
@@ -483,12 +519,20 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   model = K3Model(cfg.model)
   mesh = make_run_mesh(cfg)
   state, optimizer, schedule = init_train_state(cfg, total_steps, mesh)
-  if mesh is None:
-    train_step = make_train_step(cfg, model, optimizer, schedule)
-  else:
+  step_kwargs = {}
+  if mesh is not None:
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    train_step = make_train_step(cfg, model, optimizer, schedule, state_shardings=state_sh,
-                                 batch_shardings=sharding_lib.batch_sharding(mesh))
+    step_kwargs = dict(state_shardings=state_sh, batch_shardings=sharding_lib.batch_sharding(mesh))
+  # One jitted step per distinct stage model config (StagesConfig.remat); each stage's batch shape
+  # traces it anew anyway.
+  stage_steps: dict = {}
+
+  def step_of_stage(stage: int) -> Callable:
+    mcfg = config_lib.stage_model_config(cfg, stage)
+    if mcfg not in stage_steps:
+      stage_steps[mcfg] = make_train_step(dataclasses.replace(cfg, model=mcfg), K3Model(mcfg),
+                                          optimizer, schedule, **step_kwargs)
+    return stage_steps[mcfg]
   evaluator = Evaluator(cfg, model, data)
 
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
@@ -541,15 +585,21 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
         seq_len = scfg.stages[stage][0]
         batch = next(iterator)
         batch = {k: batch[k] for k in ("inputs", "targets", "segment_ids", "loss_mask")}
-        if mesh is None:
-          state, m = train_step(state, {k: jnp.asarray(v) for k, v in batch.items()})
-        else:
-          # Traced inside the mesh context, so the MoE takes its expert-parallel path.
-          rows = sharding_lib.local_batch_rows(mesh, scfg.batch_size(stage))
-          with sharding_lib.with_mesh(mesh):
-            state, m = train_step(state, sharding_lib.shard_batch(
-                {k: v[rows] for k, v in batch.items()}, mesh))
-        m = jax.device_get(m)
+        train_step = step_of_stage(stage)
+        try:
+          if mesh is None:
+            state, m = train_step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+          else:
+            # Traced inside the mesh context, so the MoE takes its expert-parallel path.
+            rows = sharding_lib.local_batch_rows(mesh, scfg.batch_size(stage))
+            with sharding_lib.with_mesh(mesh):
+              state, m = train_step(state, sharding_lib.shard_batch(
+                  {k: v[rows] for k, v in batch.items()}, mesh))
+          m = jax.device_get(m)
+        except Exception as e:  # XlaRuntimeError/JaxRuntimeError; compile errors are others
+          if not is_out_of_memory(e):
+            raise
+          raise StageOutOfMemoryError(out_of_memory_message(cfg, stage, devices)) from e
         step += 1
         if not (math.isfinite(float(m["loss"])) and math.isfinite(float(m["grad_norm"]))):
           raise NonFiniteLossError(
@@ -652,7 +702,7 @@ def main(argv):
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)
-  except NonFiniteLossError as e:
+  except (NonFiniteLossError, StageOutOfMemoryError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   if result.stopped_by_signal is not None:

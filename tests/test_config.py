@@ -33,6 +33,9 @@ def test_bindings_override_files():
     ("OptimizerConfig.name = 'sgd'", "OptimizerConfig.name"),
     ("MeshConfig.axes = 'model:2'", "MeshConfig.axes"),
     ("DataConfig.source = 'text'", "DataConfig.path"),
+    ("StagesConfig.remat = ('full',)", "StagesConfig.remat"),            # 4 default stages
+    ("StagesConfig.remat = ('none', 'full', 'some', 'full')", "StagesConfig.remat"),
+    ("ModelConfig.position_chunk_tokens = -1", "ModelConfig.position_chunk_tokens"),
 ])
 def test_bad_values_name_the_field(binding, field):
   with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
@@ -81,3 +84,23 @@ def test_stage_bookkeeping():
   assert s.total_steps == 5
   assert [s.stage_at(i) for i in range(5)] == [0, 0, 0, 1, 1]
   assert s.batch_size(0) == 16 and s.batch_size(1) == 2
+
+
+def test_stage_model_config_sets_each_stage_remat():
+  cfg = config_lib.from_gin([], ["StagesConfig.remat = ('none', 'full', 'dots', 'full')",
+                                 "ModelConfig.remat = 'dots'"])
+  assert [config_lib.stage_model_config(cfg, i).remat for i in range(4)] == \
+      ["none", "full", "dots", "full"]
+  assert config_lib.stage_model_config(cfg, 1).d_model == cfg.model.d_model
+  plain = config_lib.from_gin([], ["ModelConfig.remat = 'dots'"])
+  assert config_lib.stage_model_config(plain, 3) is plain.model
+  with pytest.raises(ValueError, match="StagesConfig.stages"):
+    config_lib.stage_model_config(cfg, 4)
+
+
+def test_position_chunks_need_a_dropless_moe():
+  with pytest.raises(config_lib.ConfigError, match="moe_capacity_factor.*per chunk"):
+    config_lib.from_gin([], ["ModelConfig.position_chunk_tokens = 64",
+                             "ModelConfig.moe_capacity_factor = 1.25"])
+  assert config_lib.from_gin([], ["ModelConfig.position_chunk_tokens = 64"]).model \
+      .position_chunk_tokens == 64

@@ -336,3 +336,58 @@ def test_microbatches_thread_the_qb_state():
 def test_microbatch_tokens_config_errors():
   with pytest.raises(config_lib.ConfigError, match="StagesConfig.microbatch_tokens"):
     config_lib.from_gin([], TINY + ["StagesConfig.microbatch_tokens = 48"])
+
+
+# ------------------------------------------------------------------------------------------------
+# Memory settings: sequence chunks, remat per stage, the out-of-memory message
+
+
+def test_position_chunks_give_the_unchunked_step():
+  """position_chunk_tokens (head + loss, FFN and MoE in chunks; 24 tokens = 6 positions x 4
+  rows, 16 not a multiple): the real step's loss, gradient norm and QB biases are those of the
+  unchunked step."""
+  moe0, whole, m_whole = _one_step([])
+  _, chunked, m_chunked = _one_step(["ModelConfig.position_chunk_tokens = 24"])
+  np.testing.assert_allclose(float(m_chunked["loss"]), float(m_whole["loss"]), rtol=1e-6)
+  np.testing.assert_allclose(float(m_chunked["grad_norm"]), float(m_whole["grad_norm"]),
+                             rtol=1e-5)
+  for a, b, b0 in zip(jax.tree.leaves(chunked.moe_state), jax.tree.leaves(whole.moe_state),
+                      jax.tree.leaves(moe0)):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    assert not np.allclose(np.asarray(b), np.asarray(b0))
+  for a, b in zip(jax.tree.leaves(chunked.params), jax.tree.leaves(whole.params)):
+    assert error_ratio(a, b) <= 1e-5
+
+
+def test_stage_remat_and_out_of_memory_message(tmp_path, monkeypatch):
+  """Each stage's step is built from its StagesConfig.remat entry; an out-of-memory error in a
+  stage's step becomes StageOutOfMemoryError naming the stage, its length and batch, and the
+  settings that lower memory."""
+  real = train_lib.make_train_step
+  built = []
+
+  def recording(cfg, model, optimizer, schedule, **kw):
+    built.append((cfg.model.remat, model.config.remat))
+    step_fn = real(cfg, model, optimizer, schedule, **kw)
+    if cfg.model.remat != "full":
+      return step_fn
+
+    def out_of_memory(state, batch):
+      raise jax.errors.JaxRuntimeError(
+          "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 151397597184 bytes.")
+    return out_of_memory
+
+  monkeypatch.setattr(train_lib, "make_train_step", recording)
+  cfg = tiny_config("StagesConfig.remat = ('dots', 'full')")
+  with pytest.raises(train_lib.StageOutOfMemoryError) as info:
+    train_lib.train(cfg, str(tmp_path / "oom"), progress=False, tensorboard=False)
+  assert built == [("dots", "dots"), ("full", "full")]
+  message = str(info.value)
+  for part in ("stage 1 (seq_len 32, batch 2 rows", "remat 'full'", "StagesConfig.remat",
+               "ModelConfig.position_chunk_tokens", "StagesConfig.microbatch_tokens", "--mesh"):
+    assert part in message, (part, message)
+  assert "\n" not in message
+  # Stage 0 ran its three steps with 'dots' and was saved at its end.
+  assert Checkpointer(os.path.join(tmp_path, "oom", "checkpoints"), cfg.checkpoint,
+                      read_only=True).all_steps()[-1] == 3
+  assert not train_lib.is_out_of_memory(ValueError("shapes do not match"))

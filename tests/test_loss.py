@@ -1,0 +1,87 @@
+"""chunked_cross_entropy against the logits-based loss, and K3Model's return_hidden."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.config import ModelConfig
+from k3jax.evaluate import token_cross_entropy
+from k3jax.loss import chunked_cross_entropy
+from k3jax.model import K3Model, init_variables
+
+
+def _inputs(seed=0, b=2, t=11, d=8, v=13):
+  rng = np.random.default_rng(seed)
+  h = jnp.asarray(rng.normal(size=(b, t, d)), jnp.float32)
+  head = jnp.asarray(rng.normal(size=(d, v)), jnp.float32)
+  targets = jnp.asarray(rng.integers(0, v, size=(b, t)), jnp.int32)
+  mask = jnp.asarray(rng.random((b, t)) > 0.2, jnp.float32)
+  return h, head, targets, mask
+
+
+@pytest.mark.parametrize("chunk", [0, 6, 4, 1])
+def test_equals_dense_loss_and_gradient(chunk):
+  h, head, targets, mask = _inputs()
+
+  def dense(h, head):
+    logits = jnp.dot(h, head, preferred_element_type=jnp.float32)
+    return token_cross_entropy(logits, targets, mask)
+
+  def chunked(h, head):
+    return chunked_cross_entropy(h, head, targets, mask, chunk)
+
+  want = dense(h, head)
+  got = chunked(h, head)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
+  # Closed form of the count; the loss sum from numpy.
+  logits = np.asarray(h, np.float64) @ np.asarray(head, np.float64)
+  logz = np.log(np.exp(logits).sum(-1))
+  ce = logz - np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]
+  np.testing.assert_allclose(float(got[0]), float((ce * np.asarray(mask)).sum()), rtol=1e-5)
+  assert float(got[1]) == float(np.asarray(mask).sum())
+  g_want = jax.grad(lambda h, w: dense(h, w)[0], argnums=(0, 1))(h, head)
+  g_got = jax.jit(jax.grad(lambda h, w: chunked(h, w)[0], argnums=(0, 1)))(h, head)
+  for a, b in zip(g_got, g_want):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+
+
+def test_never_holds_the_logits():
+  """The chunked gradient's program has no value with the whole [B, T] positions and the vocab."""
+  from tests.ops.test_chunking import all_shapes
+  h, head, targets, mask = _inputs(t=12, v=97)
+  f = lambda h, w: chunked_cross_entropy(h, w, targets, mask, 6)[0]  # noqa: E731
+  shapes = all_shapes(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(h, head))
+  assert not [s for s in shapes if len(s) >= 3 and s[-1] == 97 and np.prod(s[:-1]) > 6], shapes
+  f0 = lambda h, w: chunked_cross_entropy(h, w, targets, mask, 0)[0]  # noqa: E731
+  assert (2, 12, 97) in all_shapes(jax.make_jaxpr(jax.grad(f0, argnums=(0, 1)))(h, head))
+
+
+def test_rejects_bad_shapes():
+  h, head, targets, mask = _inputs()
+  with pytest.raises(ValueError, match="head must be"):
+    chunked_cross_entropy(h, head.T, targets, mask, 4)
+  with pytest.raises(ValueError, match="loss_mask must be"):
+    chunked_cross_entropy(h, head, targets, mask[:, :5], 4)
+  with pytest.raises(ValueError, match="h must be"):
+    chunked_cross_entropy(h[0], head, targets, mask, 4)
+
+
+def test_model_return_hidden_gives_the_logits():
+  cfg = dataclasses.replace(ModelConfig(), d_model=16, num_layers=2, mla_every=2, vocab_size=19,
+                            kda_num_heads=1, kda_head_dim=16, kda_value_dim=16, mla_num_heads=1,
+                            mla_kv_lora_rank=8, mla_qk_nope_dim=8, mla_qk_rope_dim=4, mla_v_dim=8,
+                            dense_ffn_dim=16, moe_num_experts=4, moe_latent_dim=8,
+                            moe_expert_dim=8, moe_shared_dim=8, attnres_block_size=1)
+  tokens = jnp.asarray(np.random.default_rng(1).integers(0, 19, size=(2, 16)), jnp.int32)
+  variables = jax.jit(lambda: init_variables(cfg, jax.random.key(0, impl="rbg"), 2, 16))()
+  model = K3Model(cfg)
+  logits = model.apply(variables, tokens)
+  h, head = model.apply(variables, tokens, return_hidden=True)
+  assert h.shape == (2, 16, 16) and head.shape == (16, 19)
+  np.testing.assert_allclose(np.asarray(jnp.dot(h, head, preferred_element_type=jnp.float32)),
+                             np.asarray(logits), rtol=1e-6, atol=1e-6)
