@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from k3jax import config as config_lib
 from k3jax.generate import decode_forward, generate, init_cache, sample_token
@@ -61,3 +62,29 @@ def test_top_k_sampling_stays_in_the_top_k():
   logits = jnp.array([[0.0, 5.0, 4.0, -1.0, 3.0]])
   draws = [int(sample_token(jax.random.PRNGKey(i), logits, 1.0, 2)[0]) for i in range(50)]
   assert set(draws) <= {1, 2} and len(set(draws)) == 2
+
+
+@pytest.mark.slow
+def test_decoding_the_scanned_decoder_equals_its_full_forward():
+  """With layers in the decoder's scan (10 layers: 0 | 1-4, 5-8 scanned | 9) the decode caches
+  are stacked per group, and prefill + steps still give the full forward's logits."""
+  cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
+  cfg = dataclasses.replace(cfg, kda_chunk_size=16, num_layers=10, d_model=32, kda_head_dim=16,
+                            kda_value_dim=16, mla_kv_lora_rank=16, mla_qk_nope_dim=16,
+                            mla_v_dim=16, dense_ffn_dim=32)
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 11), 0, cfg.vocab_size)
+  variables = nn.meta.unbox(K3Model(cfg).init(jax.random.PRNGKey(0), tokens))
+  # Non-zero DepthMix queries, so that the mixes over the stacked blocks are not uniform.
+  variables = jax.tree_util.tree_map_with_path(
+      lambda p, x: 0.5 * jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape))
+      if jax.tree_util.keystr(p).endswith("['query']") else x, variables)
+  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+  assert cache["scanned_period_4"]["layer_1"]["kda"]["kda_state"].shape[:2] == (2, 2)
+  assert cache["scanned_period_4"]["layer_3"]["mla"]["cached_ckv"].shape == (2, 2, 11, 16)
+  full = K3Model(cfg).apply(variables, tokens)
+  logits, cache = decode_forward(cfg, variables, cache, tokens[:, :7])
+  got = [logits]
+  for t in range(7, tokens.shape[1]):
+    logits, cache = decode_forward(cfg, variables, cache, tokens[:, t:t + 1])
+    got.append(logits)
+  np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-4, atol=1e-4)

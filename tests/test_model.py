@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from k3jax import config as config_lib
+from k3jax import optim as optim_lib
 from k3jax.evaluate import moe_stats_by_layer
 from k3jax.model import K3Model, count_params, init_variables, layer_plan
 from k3jax.model import scanned_to_unrolled, unrolled_to_scanned
@@ -313,3 +314,74 @@ def test_count_params_accepts_the_run_config_and_ignores_the_layout():
   assert counts == count_params(dataclasses.replace(run_cfg.model, scan_layers=False))
   with pytest.raises(TypeError, match="ModelConfig or a Config"):
     count_params({"d_model": 64})
+
+
+def _run_train_steps(cfg: config_lib.Config, state, mesh_spec: str, batches: list):
+  """Losses and final state of `cfg`'s training step over `batches`, from `state` (host arrays),
+  on one device or on the mesh `mesh_spec` (state placed with `sharding.state_shardings`)."""
+  from k3jax import sharding as sharding_lib
+  from k3jax import train as train_lib
+  abstract_vars = jax.eval_shape(lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, 16))
+  optimizer, schedule = optim_lib.make_optimizer(cfg.optimizer, cfg.stages.total_steps,
+                                                 optim_lib.logical_axes(abstract_vars["params"]))
+  model = K3Model(cfg.model)
+  if not mesh_spec:
+    step = train_lib.make_train_step(cfg, model, optimizer, schedule)
+    losses = []
+    for batch in batches:
+      state, m = step(state, batch)
+      losses.append(float(m["loss"]))
+    return losses, state
+  mesh = sharding_lib.make_mesh(mesh_spec)
+  state, state_sh = sharding_lib.shard_train_state(state, abstract_vars, mesh)
+  step = train_lib.make_train_step(cfg, model, optimizer, schedule, state_shardings=state_sh,
+                                   batch_shardings=sharding_lib.batch_sharding(mesh))
+  losses = []
+  with sharding_lib.with_mesh(mesh):
+    for batch in batches:
+      state, m = step(state, sharding_lib.shard_batch(batch, mesh))
+      losses.append(float(m["loss"]))
+  return losses, state
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh_spec,bindings", [
+    ("", ["OptimizerConfig.name = 'muon'", "OptimizerConfig.qk_clip_tau = 2.0",
+          "StagesConfig.microbatch_tokens = 64"]),
+    ("expert:8", []),
+], ids=["one_device_muon_qkclip_microbatched", "expert_mesh_adamw"])
+def test_train_steps_of_scan_equal_the_loop(mesh_spec, bindings):
+  """Three training steps of the scanned model, from the loop's initial state converted with
+  `unrolled_to_scanned` (params, optimizer state, QB biases), have the loop's losses, and end in
+  the loop's state. One device with Muon, QK-Clip and micro-batches; an 8-device expert mesh."""
+  from k3jax import train as train_lib
+  from testlib import TINY_RUN_BINDINGS
+  cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS + [
+      "ModelConfig.num_layers = 5", "ModelConfig.mla_every = 1", "ModelConfig.moe_num_experts = 8",
+      "StagesConfig.tokens_per_step = 128", "StagesConfig.stages = ((16, 3),)"] + bindings)
+  # All layers MLA (KDA's chunked scan would dominate the compile time; test_scan_equals_loop has
+  # KDA in the scan): layer 0 dense, then layers (1, 2), (3, 4) scanned.
+  assert layer_plan(cfg.model).num_groups == 2
+  loop_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
+  loop_state, _, _ = train_lib.init_train_state(loop_cfg, cfg.stages.total_steps)
+  loop_state = jax.device_get(loop_state)
+  scan_state = loop_state.replace(
+      params=unrolled_to_scanned(loop_state.params, cfg.model),
+      opt_state=unrolled_to_scanned(loop_state.opt_state, cfg.model),
+      moe_state=unrolled_to_scanned(loop_state.moe_state, cfg.model))
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(3):
+    tokens = rng.integers(0, cfg.model.vocab_size, (8, 17)).astype(np.int32)
+    seg = np.ones((8, 16), np.int32)
+    seg[::2, 9:] = 2
+    batches.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": seg,
+                    "loss_mask": np.ones((8, 16), np.float32)})
+  ref_losses, ref_state = _run_train_steps(loop_cfg, loop_state, mesh_spec, batches)
+  losses, state = _run_train_steps(cfg, scan_state, mesh_spec, batches)
+  np.testing.assert_allclose(losses, ref_losses, rtol=1e-5, atol=1e-5)
+  assert ref_losses[-1] < ref_losses[0]
+  for name in ("params", "moe_state"):
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5),
+                 scanned_to_unrolled(jax.device_get(getattr(state, name))),
+                 jax.device_get(getattr(ref_state, name)))

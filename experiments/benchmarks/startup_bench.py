@@ -12,7 +12,9 @@ For a config (gin files + bindings) and a batch shape, prints one JSON line per 
 
 --platform=cuda on a machine without a GPU lowers for CUDA (the Pallas KDA kernels compiled, not
 interpreted) and stops there: tracing and lowering are host work, so they can be measured on the CPU
-machine; compile times need the target device.
+machine; compile times need the target device. The start line gives the decoder's layer plan
+(`k3jax.model.layer_plan`: scanned groups, period, unrolled layers); compare with the unrolled loop
+through --gin_bindings='ModelConfig.scan_layers = False'.
 
   PYTHONPATH=. python experiments/benchmarks/startup_bench.py --gin_file=gin_configs/small.gin \
       --seq_len=2048 --batch=16 [--platform=cuda]
@@ -29,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import train as train_lib
-from k3jax.model import K3Model, init_variables
+from k3jax.model import K3Model, init_variables, layer_plan
 
 
 def emit(**row):
@@ -106,8 +108,11 @@ def main(argv=None):
   args = p.parse_args(argv)
   cfg = train_lib.config_from_flags(args.gin_file or ["gin_configs/small.gin"], args.gin_bindings)
   platform = args.platform or jax.default_backend()
+  plan = layer_plan(cfg.model)
   emit(event="start", backend=jax.default_backend(), platform=platform, jax=jax.__version__,
-       gin_files=args.gin_file, bindings=args.gin_bindings)
+       gin_files=args.gin_file, bindings=args.gin_bindings, num_layers=cfg.model.num_layers,
+       scan_groups=plan.num_groups, scan_period=plan.period,
+       unrolled_layers=len(plan.prefix) + len(plan.suffix))
   for row in measure(cfg, args.batch, args.seq_len, platform):
     emit(event="result", **row)
 
