@@ -148,17 +148,19 @@ def write_config(workdir: str, cfg: config_lib.Config) -> None:
   """Writes DIR/config.gin (re-parsable with from_gin) and DIR/config.json (readable dump)."""
   text = config_to_gin(cfg)
   path = os.path.join(workdir, "config.gin")
-  if os.path.exists(path):
-    with open(path) as f:
-      old = f.read()
-    changed = sorted(set(text.splitlines()) - set(old.splitlines()))
-    if changed:
-      print("note: the config differs from the one this run started with:\n  " +
-            "\n  ".join(changed), file=sys.stderr)
   with open(path, "w") as f:
     f.write(text)
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(dataclasses.asdict(cfg), f, indent=2)
+
+
+def _config_changes(workdir: str, cfg: config_lib.Config) -> list[str]:
+  """'Configurable.field: old -> new' between DIR/config.gin (the run so far) and `cfg`."""
+  path = os.path.join(workdir, "config.gin")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return checkpoint_lib.config_differences(f.read(), config_to_gin(cfg))
 
 
 def make_data(cfg: config_lib.Config) -> Data:
@@ -190,6 +192,7 @@ def make_data(cfg: config_lib.Config) -> Data:
       return Data(train_iterator, validation_batches, tokenizer, None, bpt)
 
     corpus = load_corpus(dcfg)
+    packing.check_train_size(corpus.train_tokens.size, scfg.tokens_per_step, dcfg)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
 
@@ -510,7 +513,14 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
     ConfigError: the data cannot be loaded (message names the setting).
     NonFiniteLossError: a step's loss or gradient norm was not finite (that step is not saved).
   """
-  os.makedirs(workdir, exist_ok=True)
+  if os.path.exists(workdir) and not os.path.isdir(workdir):
+    raise config_lib.ConfigError(f"--workdir={workdir} is a file, not a directory")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+  except OSError as e:
+    raise config_lib.ConfigError(f"--workdir={workdir} cannot be created: {e.strerror}") from e
+  if not os.access(workdir, os.W_OK | os.X_OK):
+    raise config_lib.ConfigError(f"--workdir={workdir} is not writable")
   scfg = cfg.stages
   total_steps = scfg.total_steps
   ends = stage_ends(scfg)
@@ -537,10 +547,28 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
 
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
                                      keep_steps=ends)
-  start = ckpt.latest_step()
+  changes = _config_changes(workdir, cfg)
+  try:
+    restored = ckpt.restore_latest(params=state.params, moe_state=state.moe_state,
+                                   opt_state=state.opt_state, rng=state.rng,
+                                   log=lambda line: print(f"warning: {line}", file=sys.stderr))
+  except checkpoint_lib.IncompatibleCheckpointError as e:
+    ckpt.close()
+    settings = "; ".join(changes) or "none in config.gin (the code's parameter tree changed?)"
+    raise config_lib.ConfigError(
+        f"--workdir={workdir} holds a run whose checkpoints do not fit this config ({e}). "
+        f"Changed settings: {settings}. Use a new --workdir for the new config, or put the "
+        "settings back to resume this run.") from e
+  except checkpoint_lib.CorruptCheckpointError as e:
+    ckpt.close()
+    raise config_lib.ConfigError(
+        f"{e}. They were moved to {os.path.join(ckpt.directory, checkpoint_lib.CORRUPT_DIR)}; "
+        "re-run to start from step 0, or use a new --workdir.") from e
+  start = None if restored is None else int(restored["meta"]["step"])
   if start is not None:
-    restored = ckpt.restore(start, params=state.params, moe_state=state.moe_state,
-                            opt_state=state.opt_state, rng=state.rng)
+    if changes:
+      print("note: the config differs from the one this run started with:\n  " +
+            "\n  ".join(changes), file=sys.stderr)
     if restored["meta"]["data_position"] != start:
       raise ValueError(f"checkpoint {start}: data_position {restored['meta']['data_position']} "
                        "!= step")
@@ -577,7 +605,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
                             passkey=False)
         writer.write(0, "eval", dict(results, stage=0))
         print(f"validation loss at step 0: {results['val_loss']:.4f}")
-      bar = metrics_lib.ProgressBar(total_steps, start, enabled=progress)
+      # The bar (and its ETA) counts to where this call stops, --max_steps included.
+      bar = metrics_lib.ProgressBar(stop_at, start, enabled=progress)
       throughput = metrics_lib.Throughput()
       step = start
       while step < stop_at and stop.signum is None:
@@ -629,6 +658,15 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
           throughput.tick()  # evaluation time is not training throughput
       if ckpt.latest_step() != step:  # --max_steps or a signal: keep where we stopped
         save(step)
+      evals = [r for r in metrics_lib.read_jsonl(writer.path) if r["kind"] == "eval"]
+      if (step > start and step < total_steps and stop.signum is None
+          and not (evals and evals[-1]["step"] == step)):
+        # Stopped by --max_steps: a validation pass at the current length for eval.json (passkey
+        # retrieval, the costly part, stays at stage ends).
+        stage = scfg.stage_at(step - 1)
+        results = evaluator(state.params, state.moe_state, scfg.stages[stage][0], seed=cfg.seed,
+                            passkey=False)
+        writer.write(step, "eval", dict(results, stage=stage))
       result.step = step
       result.finished = step >= total_steps
       result.stopped_by_signal = stop.signum
@@ -639,18 +677,32 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
     ckpt.close()
     writer.close()
 
-  if result.stopped_by_signal is not None:
+  if result.step == start and result.stopped_by_signal is None:
+    if result.finished:
+      print(f"the run in {workdir} is finished ({total_steps} steps); its eval.json and plots/ "
+            "are there.")
+    else:
+      print(f"the run in {workdir} is already at step {start} (--max_steps={max_steps}); to "
+            f"continue, re-run with a larger --max_steps, or without it for all {total_steps} "
+            "steps.")
+  elif result.stopped_by_signal is not None:
+    # No new evaluation: it would delay the exit the signal asked for.
+    result.eval = finish(cfg, workdir, last_loads, final_label="last evaluation")
     print(f"stopped by signal {result.stopped_by_signal} after step {result.step}; checkpoint "
-          f"saved. Re-run the same command to resume.")
-  elif result.finished and result.step > start:
+          "saved; eval.json and plots/ hold the evaluations so far (no final evaluation, so as "
+          "not to delay the exit). Re-run the same command to resume.")
+  else:
     result.eval = finish(cfg, workdir, last_loads)
-  elif not result.finished:
-    print(f"stopped at step {result.step} of {total_steps} (--max_steps); re-run to resume.")
+    if not result.finished:
+      print(f"stopped at step {result.step} of {total_steps} (--max_steps); eval.json and plots/ "
+            "written. To continue, re-run with a larger --max_steps, or without it.")
   return result
 
 
-def finish(cfg: config_lib.Config, workdir: str, last_loads) -> dict:
-  """Writes DIR/eval.json and DIR/plots/*.png from metrics.jsonl; returns the final evaluation."""
+def finish(cfg: config_lib.Config, workdir: str, last_loads,
+           final_label: str = "final evaluation") -> dict:
+  """Writes DIR/eval.json and DIR/plots/*.png from metrics.jsonl; returns the final evaluation
+  (the last evaluation record: at the end of the run, at --max_steps, or before a signal)."""
   records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
   train_records = [r for r in records if r["kind"] == "train"]
   eval_records = [r for r in records if r["kind"] == "eval"]
@@ -675,7 +727,7 @@ def finish(cfg: config_lib.Config, workdir: str, last_loads) -> dict:
   plots.make_all(os.path.join(workdir, "plots"), train_records, eval_records, cfg.stages.stages,
                  None if last_loads is None else last_loads[1],
                  [] if last_loads is None else last_loads[0], passkey)
-  print("final evaluation:\n" + format_eval(final))
+  print(f"{final_label} (step {final.get('step', '-')}):\n" + format_eval(final))
   return final
 
 
@@ -688,8 +740,7 @@ def main(argv):
   if len(argv) > 1:
     print(f"error: unexpected arguments {argv[1:]}", file=sys.stderr)
     sys.exit(2)
-  from absl import logging
-  logging.set_verbosity(logging.WARNING)  # orbax logs every save step at INFO
+  checkpoint_lib.quiet_logging()
   FLAGS = flags.FLAGS
   compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)

@@ -105,6 +105,46 @@ def test_resume_is_bit_exact(full_run, tmp_path):
   assert third.finished and third.step == 6 and third.eval is None
 
 
+@pytest.mark.slow
+def test_damaged_checkpoints_fall_back_to_the_newest_readable_step(full_run, tmp_path, capsys):
+  """Both faults of a crash or a full disk at once: stop at step 5 (checkpoints 3, 4, 5), delete
+  step 5's ocdbt.process_0/ and truncate step 4's data files. Re-running reports each in one line,
+  moves both to checkpoints/corrupt/, resumes from step 3, and the losses from there equal those
+  of the uninterrupted run."""
+  from test_checkpoint import _damage
+  full_dir, _ = full_run
+  workdir = str(tmp_path / "damaged")
+  cfg = tiny_config()
+  train_lib.train(cfg, workdir, max_steps=5, progress=False, tensorboard=False)
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  _damage(os.path.join(ckpt_dir, "5"), "ocdbt")
+  _damage(os.path.join(ckpt_dir, "4"), "truncate")
+  capsys.readouterr()
+  result = train_lib.train(cfg, workdir, progress=False, tensorboard=False)
+  out, err = capsys.readouterr()
+  assert result.finished and result.step == 6
+  warnings = [line for line in err.splitlines() if line.startswith("warning: checkpoint step")]
+  assert len(warnings) == 2 and "step 5 cannot be read" in warnings[0] \
+      and "step 4 cannot be read" in warnings[1], err
+  assert "resuming from step 3" in out
+  assert sorted(os.listdir(os.path.join(ckpt_dir, "corrupt"))) == ["4", "5"]
+  assert _train_losses(workdir) == _train_losses(full_dir)   # exact float equality
+
+
+@pytest.mark.slow
+def test_changed_model_is_a_config_error_naming_the_setting(tmp_path):
+  """A workdir whose checkpoints have another d_model: ConfigError (exit 2 in the CLI) naming the
+  changed setting, before anything is read; the checkpoints stay where they are."""
+  workdir = str(tmp_path / "run")
+  train_lib.train(tiny_config(), workdir, max_steps=1, progress=False, tensorboard=False)
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"do not fit this config .* Changed settings: ModelConfig.d_model: "
+                           r"32 -> 48\. Use a new --workdir"):
+    train_lib.train(tiny_config("ModelConfig.d_model = 48"), workdir, progress=False,
+                    tensorboard=False)
+  assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["1"]
+
+
 def _one_step_setup(*bindings):
   cfg = tiny_config(*bindings)
   state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)

@@ -1,0 +1,131 @@
+"""Every user error of the three CLIs is one line on stderr and exit code 2 (no traceback), and the
+CLIs print no orbax INFO lines nor false warnings. Each case runs the real command in a subprocess.
+
+Cases that fail at configuration time need no training; those that need a trained run directory
+share one tiny run (`trained`, made once per module through the CLI with --max_steps).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from testlib import TINY_RUN_BINDINGS
+
+# absl's INFO line prefix: 'I1201 22:09:30.981569 140708937063296 file.py:596] ...'.
+ABSL_INFO = re.compile(r"^I\d{4} \d\d:\d\d", re.MULTILINE)
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = [f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS + [
+    "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = (2,)",
+    "EvalConfig.passkey_samples = 1", "EvalConfig.every_steps = 0"]]
+
+
+def run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", f"k3jax.{module}", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
+def assert_user_error(proc: subprocess.CompletedProcess, message: str) -> None:
+  """Exit code 2 and stderr exactly one line, 'error: ...' containing `message`."""
+  lines = proc.stderr.strip().splitlines()
+  assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
+  assert len(lines) == 1 and lines[0].startswith("error: "), proc.stderr
+  assert message in lines[0], (message, lines[0])
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+  root = tmp_path_factory.mktemp("cli")
+  (root / "bad.gin").write_text("ModelConfig.num_layers = 2\nModelConfig.d_model = \n")
+  (root / "a_file").write_text("not a directory")
+  (root / "small_corpus").mkdir()
+  (root / "small_corpus" / "a.txt").write_text("hello world\n")   # 12 bytes
+  return root
+
+
+# (module, arguments with {root} for the files above, the message's distinctive part)
+CONFIG_TIME_CASES = [
+    ("train", ["--gin_bindings=ModelConfig.d_model = ", "--workdir={root}/w"],
+     "gin binding 'ModelConfig.d_model =': Unable to parse value"),
+    ("train", ["--gin_file={root}/bad.gin", "--workdir={root}/w"],
+     "gin file {root}/bad.gin, line 2: Unable to parse value"),
+    ("train", ["--gin_file={root}/missing.gin", "--workdir={root}/w"],
+     "gin file '{root}/missing.gin' does not exist"),
+    ("train", ["--workdir={root}/a_file"], "--workdir={root}/a_file is a file"),
+    ("train", ["--workdir={root}/a_file/run"], "--workdir={root}/a_file/run cannot be created"),
+    ("train", ["--max_steps=-1", "--workdir={root}/w"], "--max_steps = -1 is not allowed"),
+    ("train", ["--gin_bindings=DataConfig.source = 'text'",
+               "--gin_bindings=DataConfig.path = '{root}/small_corpus'", "--workdir={root}/w"],
+     "the train split of DataConfig.source = 'text', path = '{root}/small_corpus' has 12 tokens"),
+    ("generate", ["--gin_file=gin_configs/tiny.gin", "--max_new_tokens=-3"],
+     "--max_new_tokens=-3 is not allowed"),
+    ("generate", ["--gin_file=gin_configs/tiny.gin", "--temperature=-1"],
+     "--temperature=-1.0 is not allowed"),
+    ("generate", ["--gin_file=gin_configs/tiny.gin", "--workdir={root}/w"],
+     "pass one or the other"),
+    ("generate", ["--gin_file=gin_configs/tiny.gin", "--step=3"], "--step needs --workdir"),
+    ("evaluate", ["--workdir={root}/w", "--seq_len=0"], "--seq_len=0 is not allowed"),
+    ("evaluate", ["--workdir={root}/nothing"], "has no config.gin"),
+]
+
+
+@pytest.mark.parametrize("module, args, message", CONFIG_TIME_CASES,
+                         ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(CONFIG_TIME_CASES)])
+def test_config_time_error(files, module, args, message):
+  fill = lambda s: s.replace("{root}", str(files))
+  assert_user_error(run(module, *map(fill, args)), fill(message))
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+  """A tiny run stopped by --max_steps=2, through the CLI."""
+  workdir = str(tmp_path_factory.mktemp("trained") / "run")
+  proc = run("train", *TINY, f"--workdir={workdir}", "--max_steps=2", "--noprogress")
+  assert proc.returncode == 0, (proc.stdout, proc.stderr)
+  return workdir, proc
+
+
+@pytest.mark.slow
+def test_max_steps_stop_writes_eval_and_plots_and_rerun_says_finished(trained):
+  workdir, proc = trained
+  assert "stopped at step 2 of 6 (--max_steps); eval.json and plots/ written" in proc.stdout
+  with open(os.path.join(workdir, "eval.json")) as f:
+    assert json.load(f)["final"]["step"] == 2
+  assert os.path.getsize(os.path.join(workdir, "plots", "loss.png")) > 1000
+  again = run("train", *TINY, f"--workdir={workdir}", "--max_steps=2", "--noprogress")
+  assert again.returncode == 0, again.stderr
+  assert "already at step 2 (--max_steps=2); to continue, re-run with a larger --max_steps" \
+      in again.stdout
+
+
+@pytest.mark.slow
+def test_changed_model_in_existing_workdir_is_one_line(trained):
+  workdir, _ = trained
+  proc = run("train", *TINY, "--gin_bindings=ModelConfig.d_model = 48", f"--workdir={workdir}",
+             "--noprogress")
+  assert_user_error(proc, "holds a run whose checkpoints do not fit this config")
+  assert "params/embedding: stored float32[257, 32], expected float32[257, 48]" in proc.stderr
+  assert "Changed settings: ModelConfig.d_model: 32 -> 48" in proc.stderr
+  assert "Use a new --workdir" in proc.stderr
+
+
+@pytest.mark.slow
+def test_restoring_commands_are_quiet(trained):
+  """No orbax INFO lines and no 'Given directory is read only' (the reader writes nothing, but
+  orbax's read_only option said so); --verbosity=0 brings INFO back."""
+  workdir, _ = trained
+  gen = run("generate", f"--workdir={workdir}", "--max_new_tokens=2")
+  assert gen.returncode == 0, gen.stderr
+  assert not ABSL_INFO.search(gen.stderr) and "read only" not in gen.stderr, gen.stderr
+  assert "checkpoint step 2 of" in gen.stdout
+  ev = run("evaluate", f"--workdir={workdir}")
+  assert ev.returncode == 0, ev.stderr
+  assert not ABSL_INFO.search(ev.stderr) and "read only" not in ev.stderr, ev.stderr
+  verbose = run("generate", f"--workdir={workdir}", "--max_new_tokens=2", "--verbosity=0")
+  assert ABSL_INFO.search(verbose.stderr), verbose.stderr
