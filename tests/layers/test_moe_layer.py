@@ -183,7 +183,7 @@ def test_latent_moe_padding_state_and_update():
 
 def test_latent_moe_gradients_equal_across_grouped_matmuls():
   """The layer's loss and gradients (parameters and input, padding included) with 'tokamax' (the
-  default on CPU and GPU) equal those with 'tiled' (the previous default) and 'ragged_dot'."""
+  default on the GPU) equal those with 'tiled' (the default on CPU) and 'ragged_dot'."""
   x = jnp.asarray(np.random.default_rng(6).normal(size=(2, 12, 16)), jnp.float32)
   mask = jnp.ones((2, 12), bool).at[0, 9:].set(False)
   results = {}

@@ -208,9 +208,8 @@ def test_default_ragged_dot_choices():
   assert tk.func is tokamax_ragged_dot
   # This machine (CI, CPU) has no Mosaic GPU: tokamax's XLA implementation.
   assert jax.default_backend() != "cpu" or tk.keywords == {"implementation": "xla"}
-  if jax.default_backend() == "cpu":
-    auto = default_ragged_dot("auto")
-    assert auto.func is tokamax_ragged_dot and auto.keywords == {"implementation": "xla"}
+  if jax.default_backend() == "cpu":  # XLA:CPU's dense ragged_dot is 2x slower than tiled here
+    assert default_ragged_dot("auto") is tiled_ragged_dot
   with pytest.raises(ValueError, match="moe_grouped_matmul"):
     default_ragged_dot("dense")
 
