@@ -100,7 +100,7 @@ class ModelConfig:
   moe_aux_loss_coef: float = 1e-2
   moe_capacity_factor: float = 0.0  # 0: dropless; >0: per-expert capacity = factor * balanced load
   # 'auto' | 'tokamax' | 'ragged_dot' | 'tiled' (k3jax.ops.moe.default_ragged_dot). auto: tokamax
-  # (Mosaic GPU kernels for bf16/f16 on compute capability >= 9.0, else 'tiled') on GPU, 'tiled'
+  # (Mosaic GPU kernels for bf16/f16 on compute capability 9.x, else 'tiled') on GPU, 'tiled'
   # on CPU (XLA:CPU's dense ragged_dot under tokamax is 2x slower), ragged_dot on TPU.
   moe_grouped_matmul: str = "auto"
 

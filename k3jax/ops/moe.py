@@ -214,21 +214,27 @@ def _common_varying(*arrays: jax.Array) -> list[jax.Array]:
   return out
 
 
-def _mosaic_gpu_available() -> bool:
-  """Whether the default device is an NVIDIA GPU of compute capability >= 9.0 (tokamax's sm90
-  kernels, the ragged-contracting one of the weight gradient among them)."""
+def _gpu_compute_capability() -> float:
+  """The default device's CUDA compute capability; 0 when it is not an NVIDIA GPU."""
   device = jax.devices()[0]
   if device.platform != "gpu" or "NVIDIA" not in device.device_kind:
-    return False
-  return float(getattr(device, "compute_capability", 0.0)) >= 9.0
+    return 0.0
+  return float(getattr(device, "compute_capability", 0.0))
+
+
+def _mosaic_gpu_available() -> bool:
+  """Whether the default device is an NVIDIA GPU of compute capability >= 9.0 ('tokamax' then
+  runs tokamax's Mosaic GPU kernels)."""
+  return _gpu_compute_capability() >= 9.0
 
 
 def _auto_gpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                          preferred_element_type=None) -> jax.Array:
-  """'auto' on a GPU: tokamax's Mosaic kernels where they run (bf16/f16 activations on compute
-  capability >= 9.0), `tiled_ragged_dot` otherwise (fp32 activations; older GPUs, where XLA's
-  dense ragged_dot lowering would cost E× the memory)."""
-  if jnp.dtype(lhs.dtype) in _MOSAIC_DTYPES and _mosaic_gpu_available():
+  """'auto' on a GPU: tokamax's Mosaic kernels where all three run (bf16/f16 activations on
+  compute capability 9.x: tokamax 0.0.17's sm100 path has no ragged-contracting kernel for the
+  weight gradient), `tiled_ragged_dot` otherwise (fp32 activations; other GPUs, where XLA's dense
+  ragged_dot lowering would cost E× the memory)."""
+  if jnp.dtype(lhs.dtype) in _MOSAIC_DTYPES and 9.0 <= _gpu_compute_capability() < 10.0:
     return tokamax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type,
                               implementation="mosaic")
   return tiled_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
@@ -242,18 +248,19 @@ def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
   * 'ragged_dot': `jax.lax.ragged_dot`.
   * 'tiled': `tiled_ragged_dot`.
   * 'auto': 'ragged_dot' on TPU (a grouped-matmul lowering of its own, not measured here); on a
-    GPU, tokamax ('mosaic') for bf16/f16 activations on compute capability >= 9.0 and 'tiled'
+    GPU, tokamax ('mosaic') for bf16/f16 activations on compute capability 9.x and 'tiled'
     otherwise (`_auto_gpu_ragged_dot`); 'tiled' on CPU. tokamax's 'xla' implementation is
     `jax.lax.ragged_dot`, which XLA:CPU computes densely: at tiny.gin's MoE shapes (4096 tokens,
     top-2 of 8 experts, 32 -> 64 -> 32, fp32) routed_experts' forward+backward takes 125 ms and
-    88 MB of temporaries with it against 55 ms and 44 MB tiled (2-core CPU), +35 % on the main
-    job's step. The tokamax call sites run on CPU in the tests, with 'tokamax' chosen explicitly.
+    88 MB of temporaries with it against 55 ms and 44 MB tiled (2-core CPU), about +30 % on the
+    main job's step (three MoE layers). The tokamax call sites run on CPU in the tests, with
+    'tokamax' chosen explicitly.
 
   XLA:GPU and XLA:CPU lower `jax.lax.ragged_dot` with memory for every row against every expert:
   the compiled training step of a 4-layer small.gin at 16K tokens asks XLA:CPU for 55.6 GiB of
   temporaries with ragged_dot and 22.5 GiB tiled. On one H200 tokamax's Mosaic kernel takes
   1.07 ms forward+backward at 131072 rows × 384 → 32 experts × 1024 where 'tiled' takes 11.7 ms
-  (experiments/benchmarks/moe_bench.py).
+  (spec/PERFORMANCE.md; experiments/benchmarks/moe_bench.py measures both).
   """
   if kind not in GROUPED_MATMULS:
     raise ValueError(f"ModelConfig.moe_grouped_matmul = {kind!r}: expected one of "
