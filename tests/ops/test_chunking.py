@@ -79,7 +79,9 @@ def test_chunked_gradient_holds_no_whole_sequence_intermediate():
     f = lambda x, w: jnp.sum(map_position_chunks(_fn(w), [x, valid], chunk)[0]["y"])  # noqa: E731
     return all_shapes(jax.make_jaxpr(jax.grad(f, argnums=(0, 1)))(x, w))
 
-  wide = lambda shapes: [s for s in shapes if s[-1:] == (32,) and np.prod(s[:-1]) > 2 * 3]  # noqa: E731
+  def wide(shapes):   # hidden-width values over more than one chunk's 2 x 3 positions
+    return [s for s in shapes if s[-1:] == (32,) and np.prod(s[:-1]) > 2 * 3]
+
   assert wide(grad_of(0))                      # unchunked: [2, 12, 32] intermediates
   assert not wide(grad_of(6)), wide(grad_of(6))
 
