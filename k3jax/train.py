@@ -53,7 +53,7 @@ from k3jax.evaluate import bytes_per_token, token_cross_entropy
 from k3jax.layers import moe as moe_layers
 from k3jax.flops import flops_per_token
 from k3jax.loss import chunked_cross_entropy
-from k3jax.model import K3Model, init_variables, is_scanned_path
+from k3jax.model import K3Model, init_variables, is_scanned_path, unrolled_to_scanned
 
 PyTree = Any
 # The collection in which MLA layers sow per-head max attention logits for QK-Clip: leaves named
@@ -551,7 +551,9 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   try:
     restored = ckpt.restore_latest(params=state.params, moe_state=state.moe_state,
                                    opt_state=state.opt_state, rng=state.rng,
-                                   log=lambda line: print(f"warning: {line}", file=sys.stderr))
+                                   log=lambda line: print(f"warning: {line}", file=sys.stderr),
+                                   # checkpoints written before the decoder became a scan
+                                   convert=lambda item, tree: unrolled_to_scanned(tree, cfg.model))
   except checkpoint_lib.IncompatibleCheckpointError as e:
     ckpt.close()
     settings = "; ".join(changes) or "none in config.gin (the code's parameter tree changed?)"

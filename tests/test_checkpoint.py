@@ -256,3 +256,31 @@ def test_config_differences():
   assert config_differences(old, new) == ["ModelConfig.d_model: 64 -> 96",
                                           "ModelConfig.remat: (unset) -> 'full'"]
   assert config_differences(old, old) == []
+
+
+@pytest.mark.slow
+def test_unrolled_run_restores_into_the_scanned_decoder(tmp_path):
+  """A workdir trained before the decoder became a scan (per-layer trees) resumes and evaluates
+  with the scanned decoder: train() and restore_run convert the stored trees."""
+  from k3jax import checkpoint as checkpoint_lib
+  from k3jax import config as config_lib
+  from k3jax import train as train_lib
+  from k3jax.model import K3Model
+  bindings = ["StagesConfig.stages = ((16, 3), (32, 1))", "StagesConfig.tokens_per_step = 256",
+              "ModelConfig.num_layers = 8", "DataConfig.max_bytes = 200000",
+              "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = ()",
+              "CheckpointConfig.async_save = False"]
+  old = config_lib.from_gin(["gin_configs/tiny.gin"], bindings + ["ModelConfig.scan_layers = False"])
+  new = config_lib.from_gin(["gin_configs/tiny.gin"], bindings)
+  workdir = str(tmp_path / "run")
+  train_lib.train(old, workdir, max_steps=2, progress=False, tensorboard=False)
+  # restore_run reads config.gin of the run: write the scanned config in its place, as a run
+  # directory from before scan_layers existed gets the new default when it is parsed.
+  train_lib.write_config(workdir, new)
+  cfg, params, moe_state, meta = checkpoint_lib.restore_run(workdir, log=lambda _: None)
+  assert meta["step"] == 2 and cfg.model.scan_layers
+  tokens = np.zeros((1, 16), np.int32)
+  logits = K3Model(cfg.model).apply({"params": params, "moe_state": moe_state}, tokens)
+  assert np.all(np.isfinite(np.asarray(logits)))
+  result = train_lib.train(new, workdir, progress=False, tensorboard=False)
+  assert result.finished and result.step == 4
