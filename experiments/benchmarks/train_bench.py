@@ -28,7 +28,7 @@ as it is known:
 Case sets (--cases):
   throughput  small.gin at 4 x 8192 and medium.gin at 4 x 8192 (its 16K-token micro-batches: two
               per step), packed, each run cold and then warm;
-  curriculum  small.gin, one row of 8192, 65536, 262144 and 1048576 tokens, single then packed
+  curriculum  small.gin, one row of --seq_lens tokens (8192, 65536, 262144, 1048576), single then packed
               (same shapes: the packed run finds the step compiled); the first case is re-run warm;
   one         --gin_file, --seq_len, --batch, --rows, once cold and once warm.
 --smoke: tiny.gin, one case of 2 x 128 tokens, 2 steps (CPU).
@@ -42,6 +42,7 @@ that cannot start in time are reported as errors.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -120,7 +121,7 @@ def case_sets(smoke: bool, args) -> list[dict]:
     return [case(small, 8192, 4, "packed", True), case(medium, 8192, 4, "packed", True)]
   if args.cases == "curriculum":
     out = []
-    for seq_len in (8192, 65536, 262144, 1048576):
+    for seq_len in args.seq_lens:
       for rows in ("single", "packed"):
         out.append(case(small, seq_len, 1, rows, not out))
     return out
@@ -167,6 +168,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
   import jax
   import jax.numpy as jnp
 
+  from k3jax import config as config_lib
   from k3jax import flops as flops_lib
   from k3jax import train as train_lib
   from k3jax.model import K3Model
@@ -174,8 +176,12 @@ def run_case(case: dict, args, process_start: float) -> dict:
   name = case["name"]
   entries_before = _cache_entries(args.cache_dir)
   cfg = train_lib.config_from_flags(case["gin_files"], args.gin_bindings)
-  mcfg = cfg.model
   batch, seq_len = case["batch"], case["seq_len"]
+  # The model config the training loop uses at this row length (StagesConfig.remat per stage).
+  stage_lens = [length for length, _ in cfg.stages.stages]
+  stage = stage_lens.index(seq_len) if seq_len in stage_lens else 0
+  mcfg = config_lib.stage_model_config(cfg, stage)
+  cfg = dataclasses.replace(cfg, model=mcfg)
   t0 = time.perf_counter()
   state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
   jax.block_until_ready(state)
@@ -308,6 +314,9 @@ def main(argv=None) -> int:
   p.add_argument("--gin_bindings", action="append", default=[],
                  help="applied to every case's config, e.g. \"ModelConfig.remat = 'full'\"")
   p.add_argument("--seq_len", type=int, default=8192, help="--cases=one: tokens per row")
+  p.add_argument("--seq_lens", type=lambda text: [int(x) for x in text.split(",")],
+                 default=[8192, 65536, 262144, 1048576],
+                 help="--cases=curriculum: row lengths, in the order to run them")
   p.add_argument("--batch", type=int, default=4, help="--cases=one: rows per step")
   p.add_argument("--rows", default="packed", choices=ROWS, help="--cases=one: row kind")
   p.add_argument("--doc_len", type=int, default=8192, help="mean document length of packed rows")
