@@ -138,10 +138,10 @@ def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: b
   k_lo, k_hi, q_lo, q_hi = key_ranges(segment_ids, causal)
   fwd = None
   if forward == "tokamax":
-    fwd = functools.partial(_tokamax_forward_lse, segment_ids=segment_ids, scale=scale,
-                            causal=causal)
+    # Segment ids reach the forward as its aux array: a partial over them would leak a tracer.
+    fwd = functools.partial(_tokamax_forward_lse, scale=scale, causal=causal)
   out = flash_attention(q, k, v, k_lo, k_hi, q_lo, q_hi, scale=scale, config=config,
-                        forward=fwd)
+                        forward=fwd, forward_aux=segment_ids)
   return _zero_padding(out, segment_ids)
 
 

@@ -16,8 +16,11 @@ import jax.numpy as jnp
 
 from pallas_kernels.flash_attention import kernels as fk
 
-# forward(q, k, v) -> (out [B, T, H, Dv] in q.dtype, lse [B, H, T] fp32, +inf where nothing is seen)
-ForwardFn = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
+# forward(q, k, v, aux) -> (out [B, T, H, Dv] in q.dtype, lse [B, H, T] fp32, +inf where nothing is
+# seen). `aux` is `flash_attention`'s forward_aux, an array argument of the custom VJP: arrays the
+# forward needs (e.g. segment ids) must come through it, never closed over, or they would leak as
+# tracers out of the custom VJP's nondiff arguments (UnexpectedTracerError on the second trace).
+ForwardFn = Callable[[jax.Array, jax.Array, jax.Array, jax.Array], tuple[jax.Array, jax.Array]]
 
 
 def _round_up(n: int, m: int) -> int:
@@ -53,9 +56,9 @@ def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg):
   return q, k, v, k_lo, k_hi, q_lo, q_hi
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
-def _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg, forward):
-  return _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg, forward)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward):
+  return _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward)[0]
 
 
 def _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg):
@@ -65,11 +68,11 @@ def _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg):
   return out[:, :t, :, :dv], lse[:, :, :t]
 
 
-def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg, forward):
+def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward):
   if forward is None:
     out, lse = _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg)
   else:
-    out, lse = forward(q, k, v)
+    out, lse = forward(q, k, v, aux)
   return out, (q, k, v, k_lo, k_hi, q_lo, q_hi, out, lse)
 
 
@@ -87,7 +90,7 @@ def _attention_bwd(scale, cfg, forward, res, dout):
   delta = _pad(delta, 2, tp)
   dq, dk, dv_ = fk.flash_bwd(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
                              cfg=cfg)
-  return (dq[:, :t, :, :d], dk[:, :s, :, :d], dv_[:, :s, :, :dv], None, None, None, None)
+  return (dq[:, :t, :, :d], dk[:, :s, :, :d], dv_[:, :s, :, :dv], None, None, None, None, None)
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
@@ -96,7 +99,8 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k_hi: jax.Array,
                     q_lo: jax.Array, q_hi: jax.Array, *, scale: float,
                     config: fk.FlashConfig = fk.FlashConfig(),
-                    forward: Optional[ForwardFn] = None) -> jax.Array:
+                    forward: Optional[ForwardFn] = None,
+                    forward_aux: Optional[jax.Array] = None) -> jax.Array:
   """Attention where query t sees keys [k_lo[t], k_hi[t]); differentiable in q, k, v.
 
   Args:
@@ -107,8 +111,10 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
       bound the dk/dv loops; see `kernels.py`).
     scale: logit scale.
     config: block sizes, launches, interpret mode.
-    forward: None (this package's forward kernel) or a callable (q, k, v) -> (out, lse [B, H, T]
-      fp32) computing the same attention, e.g. tokamax's Mosaic GPU kernel.
+    forward: None (this package's forward kernel) or a callable (q, k, v, forward_aux) -> (out,
+      lse [B, H, T] fp32) computing the same attention, e.g. tokamax's Mosaic GPU kernel. It must
+      be free of traced values (a module-level function, or a partial over Python constants).
+    forward_aux: the array `forward` reads besides q, k, v (e.g. segment ids); not differentiated.
 
   Returns:
     [B, T, H, Dv] in q.dtype.
@@ -123,7 +129,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
   for name, x, n in (("k_lo", k_lo, t), ("k_hi", k_hi, t), ("q_lo", q_lo, s), ("q_hi", q_hi, s)):
     if x.shape != (b, n) or x.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32 [{b}, {n}], got {x.dtype} {x.shape}")
-  return _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, float(scale), config, forward)
+  aux = jnp.zeros((0,), jnp.int32) if forward_aux is None else forward_aux
+  return _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, float(scale), config, forward)
 
 
 def reference_attention(q, k, v, k_lo, k_hi, *, scale: float) -> jax.Array:

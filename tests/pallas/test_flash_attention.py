@@ -1,6 +1,8 @@
 """pallas_kernels.flash_attention (interpret mode on CPU) against dense fp32 references."""
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,3 +85,38 @@ def test_document_attention_through_attention_gpu():
 def test_config_rejects_non_power_of_two():
   with pytest.raises(ValueError, match="block_k"):
     FlashConfig(block_k=48)
+
+
+def _ranges_forward(q, k, v, seg, *, scale):
+  """A caller's forward that reads the segment ids it is given (as tokamax's does): the dense
+  reference over the document ranges, with its log-sum-exp."""
+  k_lo, k_hi = attention_gpu.key_ranges(seg, True)[:2]
+  out = reference_attention(q, k, v, k_lo, k_hi, scale=scale).astype(q.dtype)
+  cols = jnp.arange(k.shape[1])
+  seen = (cols >= k_lo[:, :, None]) & (cols < k_hi[:, :, None])
+  logits = jnp.einsum("bthd,bshd->bhts", q, k, precision=jax.lax.Precision.HIGHEST) * scale
+  lse = jax.nn.logsumexp(jnp.where(seen[:, None], logits, -jnp.inf), axis=-1)
+  return out, jnp.where(jnp.isneginf(lse), jnp.inf, lse)
+
+
+def test_caller_forward_reads_segment_ids_as_an_argument():
+  """A caller's forward gets its segment ids through `forward_aux`: a jitted gradient lowered and
+  then called (two traces) equals the one with the own forward. (On the H200 the forward closed
+  over traced segment ids failed at 64K and 1M tokens, with 'compiled for 656 inputs but called
+  with 654' and an UnexpectedTracerError; that failure does not reproduce on CPU.)"""
+  q, k, v, do = _inputs(1, 64, 2, 2, 16, 16, seed=3)
+  seg = jnp.asarray(np.array([[1] * 20 + [2] * 44], np.int32))
+  fwd = functools.partial(_ranges_forward, scale=0.25)
+
+  def loss(q, k, v, seg, forward):
+    ranges = attention_gpu.key_ranges(seg, True)
+    out = flash_attention(q, k, v, *ranges, scale=0.25, config=CFG, forward=forward,
+                          forward_aux=seg if forward else None)
+    return jnp.sum(out * do)
+
+  grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)), static_argnums=4)
+  grad.lower(q, k, v, seg, fwd).compile()
+  got = grad(q, k, v, seg, fwd)
+  want = grad(q, k, v, seg, None)
+  for name, a, b in zip("qkv", got, want):
+    assert error_ratio(a, b) < 1e-5, name
