@@ -203,11 +203,6 @@ def run_case(case: dict, args, process_start: float) -> dict:
   emit(event="progress", case=name, init_s=round(init_s, 2), trace_lower_s=round(trace_lower_s, 2),
        compile_s=round(compile_s, 2), temp_gib=temp_gib)
 
-  # Steps run through the jitted function, not `compiled`: a step whose program carries effect
-  # tokens (the Pallas attention backward's) is compiled for more inputs than its arguments, which
-  # only the jit's own dispatch supplies ("compiled for 656 inputs but called with 654" on the
-  # H200). The jit finds the program in the persistent cache that the compile above filled.
-  compiled = step_fn
   t0 = time.perf_counter()
   state, m = compiled(state, batches[0])
   loss_first = float(m["loss"])  # blocks on the step
