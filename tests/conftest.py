@@ -7,6 +7,7 @@ This must run before JAX initialises its backends, hence at conftest import time
 import os
 import subprocess
 import sys
+import tempfile
 
 _YNN_FLAG = "--xla_cpu_experimental_ynn_fusion_type="
 
@@ -33,6 +34,10 @@ try:
 except Exception:  # backends already initialised (e.g. on GPU); the XLA flag above then applies.
   pass
 jax.config.update("jax_default_matmul_precision", "highest")
+# Many tests compile the same tiny programs (train steps, evaluators) in both workers: a persistent
+# compilation cache shared by the run's processes compiles each once (programs >= 1 s to compile).
+jax.config.update("jax_compilation_cache_dir",
+                  os.path.join(tempfile.gettempdir(), "k3jax-tests-jax-cache"))
 
 
 def pytest_collection_modifyitems(config, items):

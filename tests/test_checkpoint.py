@@ -265,20 +265,23 @@ def test_unrolled_run_restores_into_the_scanned_decoder(tmp_path):
   from k3jax import checkpoint as checkpoint_lib
   from k3jax import config as config_lib
   from k3jax import train as train_lib
-  from k3jax.model import K3Model
+  from k3jax.model import K3Model, is_scanned_path, layer_plan
   bindings = ["StagesConfig.stages = ((16, 3), (32, 1))", "StagesConfig.tokens_per_step = 256",
-              "ModelConfig.num_layers = 8", "DataConfig.max_bytes = 200000",
+              "ModelConfig.num_layers = 6", "ModelConfig.mla_every = 2",
+              "DataConfig.max_bytes = 200000",
               "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = ()",
               "CheckpointConfig.async_save = False"]
   old = config_lib.from_gin(["gin_configs/tiny.gin"], bindings + ["ModelConfig.scan_layers = False"])
   new = config_lib.from_gin(["gin_configs/tiny.gin"], bindings)
   workdir = str(tmp_path / "run")
+  assert layer_plan(new.model).num_groups == 2  # the scan stacks layers 1-4 in two groups
   train_lib.train(old, workdir, max_steps=2, progress=False, tensorboard=False)
   # restore_run reads config.gin of the run: write the scanned config in its place, as a run
   # directory from before scan_layers existed gets the new default when it is parsed.
   train_lib.write_config(workdir, new)
   cfg, params, moe_state, meta = checkpoint_lib.restore_run(workdir, log=lambda _: None)
   assert meta["step"] == 2 and cfg.model.scan_layers
+  assert "layer_1" not in params and any(is_scanned_path((k,)) for k in params)
   tokens = np.zeros((1, 16), np.int32)
   logits = K3Model(cfg.model).apply({"params": params, "moe_state": moe_state}, tokens)
   assert np.all(np.isfinite(np.asarray(logits)))

@@ -33,7 +33,7 @@ def test_single_rows_are_one_document():
 
 def test_case_sets():
   args = argparse.Namespace(cases="curriculum", steps=0, warmup=None, gin_file=None, seq_len=8192,
-                            batch=4, rows="packed")
+                            batch=4, rows="packed", seq_lens=[8192, 65536, 262144, 1048576])
   cur = tb.case_sets(False, args)
   assert [(c["seq_len"], c["rows"]) for c in cur] == [
       (t, r) for t in (8192, 65536, 262144, 1048576) for r in ("single", "packed")]
@@ -48,3 +48,11 @@ def test_case_sets():
   args.cases = "bogus"
   with pytest.raises(ValueError, match="--cases"):
     tb.case_sets(False, args)
+
+
+def test_curriculum_row_lengths_are_chosen_in_order():
+  args = argparse.Namespace(cases="curriculum", steps=0, warmup=None, gin_file=None, seq_len=8192,
+                            batch=4, rows="packed", seq_lens=[65536, 8192])
+  cur = tb.case_sets(False, args)
+  assert [(c["seq_len"], c["rows"]) for c in cur] == [
+      (65536, "single"), (65536, "packed"), (8192, "single"), (8192, "packed")]
