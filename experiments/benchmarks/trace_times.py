@@ -37,3 +37,20 @@ def stream_kernel_times(lines) -> collections.Counter:
     if name.startswith("Stream"):
       total.update(times)
   return total
+
+
+def host_event_times(logdir: str) -> collections.Counter:
+  """Event name -> total ns over every host ('/host:CPU') line of the newest trace under `logdir`:
+  the compiler's own phases (XLA marks its passes, LLVM and PTX compilation, autotuning) when the
+  trace covered a compile. Nested events are each counted, so totals overlap."""
+  from jax.profiler import ProfileData
+  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no .xplane.pb under {logdir}")
+  total = collections.Counter()
+  for plane in ProfileData.from_file(sorted(paths)[-1]).planes:
+    if plane.name.startswith("/host:"):
+      for line in plane.lines:
+        for event in line.events:
+          total[event.name] += event.duration_ns
+  return total

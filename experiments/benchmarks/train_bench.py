@@ -21,6 +21,11 @@ as it is known:
             step_s, startup_s (process start -> first step finished), cache_entries_before /
             _after (the persistent cache folder; equal when everything was read from it),
             loss_first / loss_last;
+  memory    with --memory_report: the largest buffers alive at the compiled step's memory peak
+            and the peak summed by model scope (hlo_memory.py);
+  startup_profile  with --profile_startup DIR: the cold start-up's top host events (XLA's
+            compile phases);
+  profile_scopes   with --profile and --memory_report: the step's device time by model scope;
   profile   with --profile DIR: the top kernels by device time per step, from a jax.profiler
             trace of --profile_steps steps written under DIR/<case>;
   error     the case's error (first line), or its timeout; the driver goes on with the next case.
@@ -42,6 +47,7 @@ that cannot start in time are reported as errors.
 from __future__ import annotations
 
 import argparse
+import collections
 import dataclasses
 import json
 import os
@@ -161,6 +167,44 @@ def top_kernels(logdir: str, steps: int, top: int = 15) -> dict:
                   for name, ns in kernels.most_common(top)]}
 
 
+def top_host_events(logdir: str, top: int = 40) -> dict:
+  """{'xla': [[event name, seconds], ...], 'python': [...]}: where the start-up's host time went
+  (XLA's compile phases are host events; '$file:line function' events are Python frames; nested
+  events overlap)."""
+  sys.path.insert(0, _HERE)
+  import trace_times
+  events = trace_times.host_event_times(logdir).most_common()
+  row = lambda n, ns: [n[:160], round(ns / 1e9, 2)]
+  return {"xla": [row(n, ns) for n, ns in events if not n.startswith("$")][:top],
+          "python": [row(n, ns) for n, ns in events if n.startswith("$")][:top]}
+
+
+def scope_kernel_times(logdir: str, dump_dir: str, steps: int, depth: int = 4,
+                       top: int = 40) -> dict:
+  """{'top_scopes': [[scope, ms per step], ...]}: the device time of the trace's 'XLA Ops' line
+  summed by model scope (the op_name of each HLO instruction in the dumped optimised step,
+  hlo_memory.scope_of; 'bwd:' marks the backward pass)."""
+  sys.path.insert(0, _HERE)
+  import hlo_memory
+  import trace_times
+  lines = trace_times.device_line_times(logdir) or {}
+  ops = lines.get("XLA Ops")
+  if not ops:
+    return {"note": f"no 'XLA Ops' line in the trace (lines: {sorted(lines)[:8]})"}
+  _, hlo = hlo_memory._module_files(dump_dir, "train_step")
+  with open(hlo) as f:
+    info = hlo_memory.instruction_info(f.read())
+  by_scope = collections.Counter()
+  for op, ns in ops.items():
+    _, op_name = info.get(op, info.get(op.replace("_", "."), ("", "")))
+    key = hlo_memory.scope_of(op_name, depth) if op_name else f"(unmapped) {op[:40]}"
+    if "transpose(" in op_name:
+      key = "bwd:" + key
+    by_scope[key] += ns
+  return {"top_scopes": [[k, round(ns / steps / 1e6, 3)] for k, ns in by_scope.most_common(top)],
+          "xla_ops_ms_per_step": round(sum(ops.values()) / steps / 1e6, 3)}
+
+
 def run_case(case: dict, args, process_start: float) -> dict:
   """Runs one case in this process; returns its result row (progress lines are emitted)."""
   from k3jax import compiler
@@ -182,6 +226,10 @@ def run_case(case: dict, args, process_start: float) -> dict:
   stage = stage_lens.index(seq_len) if seq_len in stage_lens else 0
   mcfg = config_lib.stage_model_config(cfg, stage)
   cfg = dataclasses.replace(cfg, model=mcfg)
+  startup_trace = None
+  if args.profile_startup:
+    startup_trace = os.path.join(args.profile_startup, f"{name}_run{args.run}_startup")
+    jax.profiler.start_trace(startup_trace)
   t0 = time.perf_counter()
   state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
   jax.block_until_ready(state)
@@ -198,10 +246,23 @@ def run_case(case: dict, args, process_start: float) -> dict:
   t0 = time.perf_counter()
   compiled = lowered.compile()
   compile_s = time.perf_counter() - t0
+  if startup_trace:
+    jax.profiler.stop_trace()
+    emit(event="startup_profile", case=name, logdir=startup_trace,
+         **top_host_events(startup_trace))
   memory = compiled.memory_analysis()
   temp_gib = None if memory is None else round(memory.temp_size_in_bytes / 2**30, 2)
   emit(event="progress", case=name, init_s=round(init_s, 2), trace_lower_s=round(trace_lower_s, 2),
        compile_s=round(compile_s, 2), temp_gib=temp_gib)
+  if args.memory_report:
+    sys.path.insert(0, _HERE)
+    import hlo_memory
+    emit(event="memory", case=name, **hlo_memory.peak_report(
+        os.environ["K3JAX_BENCH_DUMP"], "train_step"))
+  if args.compile_only:
+    return dict(case=name, compile_only=True, init_s=round(init_s, 2),
+                trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
+                temp_gib=temp_gib)
 
   t0 = time.perf_counter()
   state, m = compiled(state, batches[0])
@@ -244,6 +305,9 @@ def run_case(case: dict, args, process_start: float) -> dict:
         state, m = compiled(state, batches[i % 2])
       jax.block_until_ready(m)
     emit(event="profile", case=name, logdir=logdir, **top_kernels(logdir, args.profile_steps))
+    if args.memory_report:
+      emit(event="profile_scopes", case=name, **scope_kernel_times(
+          logdir, os.environ["K3JAX_BENCH_DUMP"], args.profile_steps))
   return row
 
 
@@ -263,6 +327,18 @@ def _child(case: dict, args, run: int, cache_dir: str, timeout_s: float) -> None
     cmd.append(f"--profile={args.profile}")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p))
+  if args.memory_report and run == 1:  # the warm re-run compiles nothing to dump
+    cmd.append("--memory_report")
+    # XLA writes the buffers live at the step's memory peak (hlo_memory.py reads them).
+    dump = tempfile.mkdtemp(prefix=f"xla_dump_{case['name']}_")
+    env["K3JAX_BENCH_DUMP"] = dump
+    env["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), f"--xla_dump_to={dump}",
+                                 "--xla_dump_hlo_as_text",
+                                 "--xla_dump_hlo_module_re=.*train_step.*"]).strip()
+  if args.compile_only:
+    cmd.append("--compile_only")
+  if args.profile_startup and run == 1:
+    cmd.append(f"--profile_startup={args.profile_startup}")
   with tempfile.TemporaryFile(mode="w+") as err:
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, cwd=_REPO,
                             env=env)
@@ -295,7 +371,7 @@ def drive(args) -> int:
     # One cache folder per config (+ bindings): its cases share the initialisation's entries.
     key = "_".join(os.path.basename(g).removesuffix(".gin") for g in case["gin_files"])
     cache_dir = os.path.join(root, key)
-    for run in (1, 2) if case["warm_rerun"] else (1,):
+    for run in (1, 2) if case["warm_rerun"] and not args.compile_only else (1,):
       left = deadline - time.time()
       if left < 30:
         emit(event="error", case=case["name"], run=run,
@@ -325,6 +401,14 @@ def main(argv=None) -> int:
   p.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS_H200)
   p.add_argument("--profile", default="", help="folder for jax.profiler traces (off if empty)")
   p.add_argument("--profile_steps", type=int, default=3)
+  p.add_argument("--memory_report", action="store_true",
+                 help="print the buffers alive at the compiled step's memory peak (an XLA dump "
+                      "read by hlo_memory.py) as a 'memory' line")
+  p.add_argument("--profile_startup", default="",
+                 help="folder for a jax.profiler trace of the cold start-up (initialisation, "
+                      "lowering and compiling the step); prints its top host events")
+  p.add_argument("--compile_only", action="store_true",
+                 help="stop each case after compiling the step (no steps run)")
   p.add_argument("--cache_dir", default="",
                  help="driver: root of the per-config persistent cache folders (default: a new "
                       "temporary folder, so that the first run is cold); child: the folder")
