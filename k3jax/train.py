@@ -40,6 +40,7 @@ from k3jax import checkpoint as checkpoint_lib
 from k3jax import compiler
 from k3jax import config as config_lib
 from k3jax import distributed
+from k3jax import lowered_cache
 from k3jax import metrics as metrics_lib
 from k3jax import optim
 from k3jax import plots
@@ -272,7 +273,8 @@ def _sown_max_logits(attn_stats: PyTree) -> dict:
 
 def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.GradientTransformation,
                     schedule: optax.Schedule, *, state_shardings: Any = None,
-                    batch_shardings: Any = None) -> Callable:
+                    batch_shardings: Any = None, lowered_cache_dir: str = "",
+                    total_steps: Optional[int] = None) -> Callable:
   """The jitted training step `(state, batch) -> (state, metrics)`.
 
   Loss = mean token cross-entropy over loss_mask (fp32 logits), plus moe_aux_loss_coef x the sum
@@ -282,6 +284,10 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
 
   state_shardings / batch_shardings: passed to jax.jit as in/out shardings when given (the hook for
   `k3jax/sharding.py`); None leaves placement to JAX (single device).
+  lowered_cache_dir: non-empty: the traced and lowered step is kept there (`k3jax.lowered_cache`),
+  keyed by cfg, total_steps, the shardings and the sources; a warm launch skips tracing and
+  lowering. Then total_steps, the one given to `init_train_state` for `optimizer` and `schedule`,
+  is required (the schedule's constants are part of the program).
   """
   mcfg = cfg.model
   use_aux = mcfg.moe_balance == "aux_loss"
@@ -340,7 +346,12 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   if state_shardings is not None or batch_shardings is not None:
     jit_kwargs = dict(in_shardings=(state_shardings, batch_shardings),
                       out_shardings=(state_shardings, None))
-  return compiler.jit(train_step, donate_argnums=(0,), **jit_kwargs)
+  if lowered_cache_dir and total_steps is None:
+    raise ValueError("make_train_step: lowered_cache_dir needs total_steps (the one given to "
+                     "init_train_state)")
+  return lowered_cache.cached_jit(
+      train_step, cache_dir=lowered_cache_dir, donate_argnums=(0,),
+      description=f"make_train_step {cfg!r} {model!r} total_steps={total_steps}", **jit_kwargs)
 
 
 def _accumulate_microbatches(loss_fn: Callable, params, moe_state, batch: dict, num_micro: int):
@@ -416,7 +427,8 @@ def _combine_microbatch_stats(summed: PyTree, num_micro: int) -> PyTree:
   return walk(summed)
 
 
-def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Mesh] = None
+def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Mesh] = None,
+                     lowered_cache_dir: str = ""
                      ) -> tuple[TrainState, optax.GradientTransformation, optax.Schedule]:
   """Fresh state (params, optimizer state, balance biases, rng) and the optimizer.
 
@@ -425,6 +437,7 @@ def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Me
   shard of the parameters and moments (the routed experts of its expert group), so no device
   ever holds the whole model; the values equal the single-device ones (threefry keys are
   partitionable). The placed shardings are `jax.tree.map(lambda x: x.sharding, state)`.
+  lowered_cache_dir: as for `make_train_step` (non-empty: the lowered computation is kept there).
   """
   init_rng, train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
   seq_len = cfg.stages.stages[0][0]
@@ -439,12 +452,16 @@ def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Me
                       moe_state=optim.unbox(boxed.get("moe_state", {})), rng=train_rng)
 
   build = lambda rng: assemble(init_variables(cfg.model, rng, 1, seq_len))
+  def cached(fun, **jit_kwargs):
+    return lowered_cache.cached_jit(fun, cache_dir=lowered_cache_dir, **jit_kwargs,
+                                    description=f"init_train_state {cfg!r} {total_steps}")
+
   if mesh is None:
-    return compiler.jit(build)(init_rng), optimizer, schedule
+    return cached(build)(init_rng), optimizer, schedule
   # The state's shapes from the variables' shapes: the model is not traced again for them.
   abstract_state = jax.eval_shape(assemble, abstract_vars)
   shardings = sharding_lib.state_shardings(abstract_state, abstract_vars, mesh)
-  return compiler.jit(build, out_shardings=shardings)(init_rng), optimizer, schedule
+  return cached(build, out_shardings=shardings)(init_rng), optimizer, schedule
 
 
 # ------------------------------------------------------------------------------------------------
@@ -505,9 +522,12 @@ def _train_record(step, stage, seq_len, batch_size, m, tokens_per_s, mfu) -> dic
 
 
 def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = None,
-          peak_tflops: float = 0.0, progress: bool = True, tensorboard: bool = True
-          ) -> TrainResult:
+          peak_tflops: float = 0.0, progress: bool = True, tensorboard: bool = True,
+          lowered_cache_dir: str = "") -> TrainResult:
   """Trains (or resumes training) in `workdir` until all stages are done or `max_steps`.
+
+  lowered_cache_dir: non-empty: the initialisation's and the steps' traced and lowered programs
+  are kept there (`k3jax.lowered_cache`); the CLI uses <--compilation_cache_dir>/lowered.
 
   Raises:
     ConfigError: the data cannot be loaded (message names the setting).
@@ -528,11 +548,12 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   data = make_data(cfg)
   model = K3Model(cfg.model)
   mesh = make_run_mesh(cfg)
-  state, optimizer, schedule = init_train_state(cfg, total_steps, mesh)
-  step_kwargs = {}
+  state, optimizer, schedule = init_train_state(cfg, total_steps, mesh, lowered_cache_dir)
+  step_kwargs = dict(lowered_cache_dir=lowered_cache_dir, total_steps=total_steps)
   if mesh is not None:
     state_sh = jax.tree.map(lambda x: x.sharding, state)
-    step_kwargs = dict(state_shardings=state_sh, batch_shardings=sharding_lib.batch_sharding(mesh))
+    step_kwargs.update(state_shardings=state_sh,
+                       batch_shardings=sharding_lib.batch_sharding(mesh))
   # One jitted step per distinct stage model config (StagesConfig.remat); each stage's batch shape
   # traces it anew anyway.
   stage_steps: dict = {}
@@ -744,14 +765,15 @@ def main(argv):
     sys.exit(2)
   checkpoint_lib.quiet_logging()
   FLAGS = flags.FLAGS
-  compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
+  cache_folder = compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   try:
     cfg = config_from_flags(FLAGS.gin_file or [], FLAGS.gin_bindings or [], FLAGS.mesh)
     if FLAGS.max_steps is not None and FLAGS.max_steps < 0:
       raise config_lib.ConfigError(f"--max_steps = {FLAGS.max_steps} is not allowed: an integer >= 0")
     result = train(cfg, FLAGS.workdir, max_steps=FLAGS.max_steps, peak_tflops=FLAGS.peak_tflops,
-                   progress=FLAGS.progress, tensorboard=FLAGS.tensorboard)
+                   progress=FLAGS.progress, tensorboard=FLAGS.tensorboard,
+                   lowered_cache_dir=os.path.join(cache_folder, "lowered") if cache_folder else "")
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(2)

@@ -230,11 +230,16 @@ def run_case(case: dict, args, process_start: float) -> dict:
   if args.profile_startup:
     startup_trace = os.path.join(args.profile_startup, f"{name}_run{args.run}_startup")
     jax.profiler.start_trace(startup_trace)
+  # Traced and lowered programs kept beside the compiled ones, as `python -m k3jax.train` does.
+  lowered_dir = os.path.join(args.cache_dir, "lowered") if args.cache_dir else ""
   t0 = time.perf_counter()
-  state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
+  state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps,
+                                                          lowered_cache_dir=lowered_dir)
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
-  step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule)
+  step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule,
+                                      lowered_cache_dir=lowered_dir,
+                                      total_steps=cfg.stages.total_steps)
   host = [random_rows(batch, seq_len, case["rows"], mcfg.vocab_size, mcfg.vocab_size - 1,
                       args.doc_len, seed=i) for i in range(2)]
   batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in host]

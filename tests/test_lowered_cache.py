@@ -1,0 +1,312 @@
+"""k3jax.lowered_cache: a miss writes an entry, a hit runs it without tracing, both equal the plain
+jit bit for bit; what changes a program misses; a damaged entry is rebuilt; donation and shardings
+are kept; the training step and its initialisation through the cache."""
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import struct
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from k3jax import config as config_lib
+from k3jax import lowered_cache
+from k3jax import train as train_lib
+from testlib import TINY_RUN_BINDINGS
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@struct.dataclass
+class ToyState:
+  step: jax.Array
+  params: dict
+
+
+def toy_state():
+  return ToyState(step=jnp.zeros([], jnp.int32),
+                  params={"w": jnp.arange(12.0).reshape(3, 4) / 7, "b": jnp.linspace(-1, 1, 4)})
+
+
+class CountingStep:
+  """A train-step-like function (state, batch) -> (state, metrics) that counts its traces."""
+
+  def __init__(self):
+    self.traces = 0
+    self.__name__ = "toy_step"
+
+  def __call__(self, state, batch):
+    self.traces += 1
+    y = jnp.tanh(batch["x"] @ state.params["w"] + state.params["b"])
+    loss = jnp.mean(y ** 2)
+    params = jax.tree.map(lambda p: p * 0.9 + 0.01 * loss, state.params)
+    return state.replace(step=state.step + 1, params=params), {"loss": loss, "pair": (y, None)}
+
+
+def toy_batch(rows=2, seed=0):
+  return {"x": jnp.asarray(np.random.default_rng(seed).normal(size=(rows, 3)), jnp.float32)}
+
+
+def run_steps(fn, state, batches):
+  outs = []
+  for batch in batches:
+    state, metrics = fn(state, batch)
+    outs.append(metrics)
+  return jax.device_get((state, outs))
+
+
+def assert_bitwise_equal(a, b):
+  assert jax.tree.structure(a) == jax.tree.structure(b)
+  for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def entries(folder):
+  return sorted(n for n in os.listdir(folder) if n.endswith(lowered_cache.ENTRY_SUFFIX))
+
+
+def entry_header(path) -> dict:
+  with open(path, "rb") as f:
+    data = f.read()
+  start = len(lowered_cache._MAGIC) + 8
+  size = int.from_bytes(data[len(lowered_cache._MAGIC):start], "big")
+  return json.loads(data[start:start + size])
+
+
+def test_miss_writes_an_entry_and_a_hit_runs_it_without_tracing(tmp_path):
+  batches = [toy_batch(seed=0), toy_batch(seed=1)]
+  fun = CountingStep()
+  expected = run_steps(jax.jit(fun, donate_argnums=(0,)), toy_state(), batches)
+
+  miss = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy",
+                                  donate_argnums=(0,))
+  fun.traces = 0
+  got_miss = run_steps(miss, toy_state(), batches)
+  assert (fun.traces, miss.misses, miss.hits) == (1, 1, 0)
+  assert len(entries(tmp_path)) == 1
+
+  jax.clear_caches()
+  hit = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy",
+                                 donate_argnums=(0,))
+  fun.traces = 0
+  got_hit = run_steps(hit, toy_state(), batches)
+  assert (fun.traces, hit.misses, hit.hits) == (0, 0, 1)
+  assert_bitwise_equal(got_miss, expected)
+  assert_bitwise_equal(got_hit, expected)
+  assert isinstance(got_hit[0], ToyState) and got_hit[1][0]["pair"][1] is None
+  # The same wrapper on both paths: the same module for XLA (and its persistent cache).
+  text = lambda f: f.lower(toy_state(), batches[0]).as_text(debug_info=False)
+  assert text(miss) == text(hit)
+  assert "module @jit_toy_step" in text(hit)
+
+
+def test_description_shape_and_dtype_changes_miss(tmp_path):
+  fun = CountingStep()
+  make = lambda description: lowered_cache.cached_jit(fun, cache_dir=str(tmp_path),
+                                                      description=description)
+  make("toy a")(toy_state(), toy_batch(rows=2))
+  make("toy b")(toy_state(), toy_batch(rows=2))
+  make("toy a")(toy_state(), toy_batch(rows=5))
+  make("toy a")(toy_state(), {"x": toy_batch(rows=2)["x"].astype(jnp.bfloat16)})
+  assert len(entries(tmp_path)) == 4
+  again = make("toy a")
+  again(toy_state(), toy_batch(rows=5))
+  assert (again.hits, again.misses, len(entries(tmp_path))) == (1, 0, 4)
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "payload_bit"])
+def test_damaged_entry_is_reported_and_rebuilt(tmp_path, caplog, damage):
+  fun = CountingStep()
+  args = (toy_state(), toy_batch())
+  expected = jax.device_get(jax.jit(fun)(*args))
+  lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy")(*args)
+  (name,) = entries(tmp_path)
+  path = tmp_path / name
+  data = bytearray(path.read_bytes())
+  if damage == "truncate":
+    data = data[:len(data) // 2]
+  elif damage == "garbage":
+    data = bytearray(b"not an entry at all")
+  else:
+    data[-100] ^= 0x10
+  path.write_bytes(bytes(data))
+
+  jax.clear_caches()
+  fun.traces = 0
+  cached = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy")
+  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+    got = jax.device_get(cached(*args))
+  warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+  assert len(warnings) == 1 and "is unreadable" in warnings[0] and name in warnings[0]
+  assert (cached.rebuilt, cached.misses, fun.traces) == (1, 1, 1)
+  assert_bitwise_equal(got, expected)
+  # Rebuilt: the next launch hits it.
+  jax.clear_caches()
+  fresh = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy")
+  assert_bitwise_equal(jax.device_get(fresh(*args)), expected)
+  assert fresh.hits == 1
+
+
+def test_donation_is_kept(tmp_path):
+  """XLA:CPU honours donation (the donated arrays are deleted after the call): the cached step
+  donates the state exactly like the plain jit, and not the batch."""
+  fun = CountingStep()
+  state, batch = toy_state(), toy_batch()
+  jax.jit(fun, donate_argnums=(0,))(state, batch)
+  assert all(x.is_deleted() for x in jax.tree.leaves(state))
+  for _ in range(2):  # the miss, then a hit
+    jax.clear_caches()
+    cached = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy",
+                                      donate_argnums=(0,))
+    state, batch = toy_state(), toy_batch()
+    cached(state, batch)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))
+    assert not batch["x"].is_deleted()
+  assert cached.hits == 1
+
+
+def test_shardings_on_a_mesh_are_kept(tmp_path):
+  """Given shardings are kept. Not bitwise: where out_shardings leave a result unspecified (None),
+  XLA's partitioner may place the exported body's values otherwise than in the plain jit (here
+  it keeps the [8, 4] activations sharded instead of gathering the rows), and the loss's sum then
+  adds the rows in another order."""
+  mesh = jax.make_mesh((8,), ("data",))
+  replicated, rows = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+  state_sh = jax.tree.map(lambda _: replicated, toy_state())
+  kwargs = dict(donate_argnums=(0,), in_shardings=(state_sh, rows), out_shardings=(state_sh, None))
+  fun = CountingStep()
+  batches = [toy_batch(rows=8, seed=i) for i in range(2)]
+  place = lambda: jax.device_put(toy_state(), state_sh)
+  plain = jax.jit(fun, **kwargs)
+  expected = run_steps(plain, place(), batches)
+  for _ in range(2):  # the miss, then a hit
+    jax.clear_caches()
+    cached = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy", **kwargs)
+    got = run_steps(cached, place(), batches)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-6), got, expected)
+    state, _ = cached(place(), batches[0])
+    for x, s in zip(jax.tree.leaves(state), jax.tree.leaves(state_sh)):
+      assert x.sharding.is_equivalent_to(s, x.ndim)
+  assert cached.hits == 1 and len(entries(tmp_path)) == 1
+
+
+def test_custom_call_targets_outside_exports_stable_list_are_allowed(tmp_path):
+  """A custom call export would refuse (like the Pallas/Triton and Mosaic GPU kernels on a GPU) is
+  stored, and listed in the entry's header; lowering only: the target does not exist."""
+  def with_kernel(x):
+    out = jax.ffi.ffi_call("k3jax_test_not_a_stable_target", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return out(x) + 1
+
+  with pytest.raises(ValueError, match="Cannot serialize code with custom calls"):
+    jax.export.export(jax.jit(with_kernel))(jax.ShapeDtypeStruct((4,), jnp.float32))
+  cached = lowered_cache.cached_jit(with_kernel, cache_dir=str(tmp_path), description="kernel")
+  text = cached.lower(jax.ShapeDtypeStruct((4,), jnp.float32)).as_text()
+  assert "k3jax_test_not_a_stable_target" in text
+  (name,) = entries(tmp_path)
+  assert "k3jax_test_not_a_stable_target" in entry_header(tmp_path / name)["custom_call_targets"]
+
+
+def test_output_tree_that_cannot_be_described_runs_uncached_with_a_warning(tmp_path, caplog):
+  @struct.dataclass
+  class LocalOut:  # defined in a function: cannot be imported by name on a later launch
+    y: jax.Array
+
+  fun = lambda x: LocalOut(y=x * 2)
+  cached = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="local")
+  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+    out = cached(jnp.ones(3))
+  np.testing.assert_array_equal(out.y, 2 * np.ones(3))
+  assert entries(tmp_path) == []
+  assert any("output tree cannot be stored" in r.getMessage() for r in caplog.records)
+
+
+def test_treedef_json_round_trip():
+  state = train_lib.TrainState(step=0, params={"a": [1, (2, None)]}, opt_state=(), moe_state={},
+                               rng=3)
+  tree = jax.tree.structure((state, {"m": 1.0}))
+  assert lowered_cache.treedef_from_json(
+      json.loads(json.dumps(lowered_cache.treedef_to_json(tree)))) == tree
+
+
+def test_off_and_bad_arguments():
+  fun = CountingStep()
+  plain = lowered_cache.cached_jit(fun, cache_dir="", description="")
+  assert not isinstance(plain, lowered_cache.LoweredCachedFunction)
+  assert hasattr(plain, "lower")
+  with pytest.raises(ValueError, match="description must be a non-empty str"):
+    lowered_cache.cached_jit(fun, cache_dir="/tmp/x", description="")
+  with pytest.raises(TypeError, match="cache_dir must be a str"):
+    lowered_cache.cached_jit(fun, cache_dir=None, description="toy")
+
+
+_LAUNCH = textwrap.dedent("""
+    import json, sys
+    import jax, jax.numpy as jnp
+    from k3jax import lowered_cache
+    traces = []
+    def toy(state, x):
+      traces.append(1)
+      return {"w": state["w"] * x.sum()}, x.mean()
+    f = lowered_cache.cached_jit(toy, cache_dir=sys.argv[1], description="launch",
+                                 donate_argnums=(0,))
+    out = f({"w": jnp.arange(4.0)}, jnp.ones((2, 3)))
+    print(json.dumps({"traces": len(traces), "hits": f.hits,
+                      "out": [v.tolist() for v in jax.tree.leaves(out)]}))
+""")
+
+
+def test_a_second_launch_hits(tmp_path):
+  """Two processes: the key is stable across launches (no addresses, no per-process state)."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  runs = [json.loads(subprocess.run(
+      [sys.executable, "-c", _LAUNCH, str(tmp_path)], env=env, capture_output=True, text=True,
+      check=True, timeout=300).stdout.strip().splitlines()[-1]) for _ in range(2)]
+  assert [(r["traces"], r["hits"]) for r in runs] == [(1, 0), (0, 1)]
+  assert runs[0]["out"] == runs[1]["out"]
+
+
+@pytest.mark.slow
+def test_train_step_and_init_through_the_cache(tmp_path, monkeypatch):
+  """tiny model: init + 2 steps through the cache (a miss, then a hit after jax.clear_caches())
+  equal the plain path bit for bit, and the hit never runs the step's Python (its loss)."""
+  cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS)
+  losses = []
+  real_loss = train_lib.token_cross_entropy
+  monkeypatch.setattr(train_lib, "token_cross_entropy",
+                      lambda *a: losses.append(1) or real_loss(*a))
+  rng = np.random.default_rng(0)
+  batches = []
+  for _ in range(2):
+    tokens = rng.integers(0, 256, size=(4, 17)).astype(np.int32)
+    batches.append({"inputs": jnp.asarray(tokens[:, :-1]), "targets": jnp.asarray(tokens[:, 1:]),
+                    "segment_ids": jnp.ones((4, 16), jnp.int32),
+                    "loss_mask": jnp.ones((4, 16), jnp.float32)})
+
+  def run(cache_dir):
+    state, optimizer, schedule = train_lib.init_train_state(cfg, 10, lowered_cache_dir=cache_dir)
+    init = jax.device_get(state)
+    step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
+                                     lowered_cache_dir=cache_dir, total_steps=10)
+    return init, run_steps(step, state, batches), step
+
+  expected_init, expected, _ = run("")
+  cache = str(tmp_path / "lowered")
+  for attempt in ("miss", "hit"):
+    jax.clear_caches()
+    losses.clear()
+    init, got, step = run(cache)
+    assert_bitwise_equal(init, expected_init)
+    assert_bitwise_equal(got, expected)
+    assert (step.hits, step.misses) == ((1, 0) if attempt == "hit" else (0, 1))
+    assert len(losses) == (0 if attempt == "hit" else 1)
+  assert len(entries(cache)) == 2   # the initialisation and the step
+  with pytest.raises(ValueError, match="lowered_cache_dir needs total_steps"):
+    train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), None, None,
+                              lowered_cache_dir=cache)
