@@ -452,13 +452,16 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
                      ragged_dot_fn: RaggedDotFn) -> jax.Array:
   """SiTU-GLU experts over rows sorted by expert: W_out[e]·SiTU-GLU(x W_gate[e], x W_up[e]).
 
-  x [M, ℓ] (the matmuls run in x.dtype, accumulating in fp32); w_gate, w_up [E, ℓ, f];
+  x [M, ℓ] (the matmuls run in x.dtype, accumulating in fp32; gate and up are rounded to x.dtype
+  before the fp32 activation math, as in `situ_glu_ffn`); w_gate, w_up [E, ℓ, f];
   w_out [E, f, ℓ] (already in x.dtype); group_sizes [E]; in_group [M] bool, False for the rows
   past the last group. Returns fp32 [M, ℓ], zero on rows outside the groups (which ragged_dot
   leaves undefined on some backends).
   """
-  gate = ragged_dot_fn(x, w_gate, group_sizes, preferred_element_type=jnp.float32)
-  up = ragged_dot_fn(x, w_up, group_sizes, preferred_element_type=jnp.float32)
+  # gate and up leave the matmul in x.dtype (fp32 accumulation inside), as in the dense SiTU-GLU:
+  # situ_glu's backward then keeps two bf16 [M, f] arrays, not fp32 ones.
+  gate = ragged_dot_fn(x, w_gate, group_sizes, preferred_element_type=x.dtype)
+  up = ragged_dot_fn(x, w_up, group_sizes, preferred_element_type=x.dtype)
   h = situ_glu(gate, up, beta1, beta2).astype(x.dtype)
   y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
   return jnp.where(in_group[:, None], y, 0.0)
