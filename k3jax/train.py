@@ -34,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import struct
+from jax._src import config as jax_config  # threefry_gpu_kernel_lowering has no public context
 from jax.sharding import Mesh
 
 from k3jax import checkpoint as checkpoint_lib
@@ -457,7 +458,12 @@ def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Me
                                     description=f"init_train_state {cfg!r} {total_steps}")
 
   if mesh is None:
-    return cached(build)(init_rng), optimizer, schedule
+    # On GPU, JAX lowers each threefry call to its unrolled rounds, one copy per parameter: for
+    # small.gin on an H200 that made the initialisation's compile ~50 s (most of it XLA's fusion
+    # pass). As one GPU kernel per call (the same bits) it compiles in seconds. Not with a mesh:
+    # the SPMD partitioner cannot split that custom call and would compute every bit everywhere.
+    with jax_config.threefry_gpu_kernel_lowering(True):
+      return cached(build)(init_rng), optimizer, schedule
   # The state's shapes from the variables' shapes: the model is not traced again for them.
   abstract_state = jax.eval_shape(assemble, abstract_vars)
   shardings = sharding_lib.state_shardings(abstract_state, abstract_vars, mesh)
