@@ -1,8 +1,8 @@
 # Source from the repository root on the GPU machine, after `../shared/tools/gpu-prep` copied the
 # wheels into ./.whl (carried with the working tree):  source experiments/benchmarks/gpu_env.sh
 # Installs gin-config, grain, fla and tokamax into /tmp/site, plus the wheels in .whl/extra (tqdm,
-# tensorboardX, matplotlib and their dependencies; put there by hand, `pip download`, for the
-# training job) only for the packages the image lacks, so that the image's own numpy, protobuf and
+# tensorboardX, matplotlib and their dependencies, flatbuffers for jax.export; put there by hand,
+# `pip download`, for the training job) only for the packages the image lacks, so that the image's own numpy, protobuf and
 # friends stay in charge. Nothing is downloaded. The kernel benchmarks need none of the extras: a
 # missing one is reported, not fatal.
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl || return 1
@@ -15,7 +15,7 @@ _extra() {  # installs .whl/extra/$1-*.whl if present; returns 1 if it is not
   [ -e "$1" ] || return 1
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$@"
 }
-for pkg in tqdm:tqdm tensorboardX:tensorboardx matplotlib:matplotlib; do
+for pkg in tqdm:tqdm tensorboardX:tensorboardx matplotlib:matplotlib flatbuffers:flatbuffers; do
   mod=${pkg%%:*}; whl=${pkg##*:}
   python3 -c "import $mod" 2>/dev/null && continue
   if [ "$mod" = matplotlib ]; then
