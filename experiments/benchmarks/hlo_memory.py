@@ -24,8 +24,10 @@ _PEAK_LINE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+?(?:\[[^\]]*\])?(?:\{[^}]*\})?|\([^=]*?\)) ")
 _OP_NAME = re.compile(r'op_name="([^"]*)"')
 # Wrappers JAX puts around an op's name under transformations: jvp(...), transpose(...), etc.
-_TRANSFORM = re.compile(r"\b(?:jvp|transpose|vmap|checkpoint|remat|pjit|jit|custom_jvp_call|"
-                        r"custom_vjp_call|while|body|cond|scan|closed_call|core_call)\(([^()]*)\)")
+_TRANSFORM = re.compile(r"\b(?:jvp|transpose|vmap|checkpoint|remat|custom_jvp_call|"
+                        r"custom_vjp_call|closed_call|core_call)\(([^()]*)\)")
+# Path parts that are control flow or nested jits, not model scopes.
+_SKIP_PART = re.compile(r"^(?:jit\(.*\)|while|body|cond|scan|checkpoint|rematted_computation)$")
 
 
 def _module_files(dump_dir: str, module: str) -> tuple[str, str]:
@@ -79,7 +81,7 @@ def scope_of(op_name: str, depth: int = 3) -> str:
     if new == text:
       break
     text = new
-  parts = [p for p in text.split("/") if p and not p.startswith("jit(")]
+  parts = [p for p in text.split("/") if p and not _SKIP_PART.match(p)]
   parts = parts[:-1] if len(parts) > 1 else parts  # the last part is the primitive
   return "/".join(parts[:depth]) or "(no op_name)"
 

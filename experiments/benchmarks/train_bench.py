@@ -51,6 +51,7 @@ import collections
 import dataclasses
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -188,15 +189,17 @@ def scope_kernel_times(logdir: str, dump_dir: str, steps: int, depth: int = 4,
   import hlo_memory
   import trace_times
   lines = trace_times.device_line_times(logdir) or {}
-  ops = lines.get("XLA Ops")
+  # Without an 'XLA Ops' line, the stream kernels: a fusion's kernel is its name with '.' -> '_'.
+  ops = lines.get("XLA Ops") or trace_times.stream_kernel_times(lines)
   if not ops:
-    return {"note": f"no 'XLA Ops' line in the trace (lines: {sorted(lines)[:8]})"}
+    return {"note": f"no kernels in the trace (lines: {sorted(lines)[:8]})"}
   _, hlo = hlo_memory._module_files(dump_dir, "train_step")
   with open(hlo) as f:
     info = hlo_memory.instruction_info(f.read())
   by_scope = collections.Counter()
   for op, ns in ops.items():
-    _, op_name = info.get(op, info.get(op.replace("_", "."), ("", "")))
+    dotted = re.sub(r"_(\d+)$", r".\1", op)
+    _, op_name = info.get(op, info.get(dotted, ("", "")))
     key = hlo_memory.scope_of(op_name, depth) if op_name else f"(unmapped) {op[:40]}"
     if "transpose(" in op_name:
       key = "bwd:" + key
