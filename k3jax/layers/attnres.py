@@ -30,13 +30,20 @@ Notes on that wiring:
   mixes only the frozen blocks, and the mix at layer 0's attention is the embedding itself.
 * With all queries zero, h is the mean of the sources, i.e. (embedding + every sublayer output so
   far) divided by the number of sources. RMSNorm ignores the scale, so norm(h) equals the PreNorm
-  residual network's norm(x) up to the norm's epsilon: at initialisation AttnRes *is* a PreNorm network.
+  residual network's norm(x) up to the norm's epsilon: at initialisation AttnRes *is* a PreNorm
+  network.
 * K3: 93 layers, block_size 12 → boundaries 0, 12, …, 84 (8 frozen blocks); the final mix sees
   those 8 plus the 9-layer tail's partial.
+
+Memory: `depth_mix` carries a hand-written VJP whose residuals are the sources themselves (alive
+anyway, in their own dtype) plus the [S, B, T] fp32 weights α and RMS scales r. Plain autodiff of
+the stacked formulation would instead save fp32 [S, B, T, d] copies of the values and keys at every
+mix, which dominated the training step's memory peak.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Optional, Sequence
 
 import flax.linen as nn
@@ -60,6 +67,117 @@ def attnres_block_boundaries(num_layers: int, block_size: int) -> tuple[int, ...
   return tuple(range(0, num_layers, block_size))
 
 
+def _check_sources(sources: Sequence[jax.Array], valid: Optional[jax.Array], who: str) -> None:
+  """Raises ValueError (prefixed with `who`) unless the sources are non-empty, of one shape and
+  dtype, and `valid` is None or a [len(sources)] bool array."""
+  if len(sources) == 0:
+    raise ValueError(f"{who}: sources must be a non-empty sequence of [B, T, d] arrays")
+  shape, dtype = sources[0].shape, sources[0].dtype
+  for i, s in enumerate(sources):
+    if s.shape != shape or s.dtype != dtype:
+      raise ValueError(f"{who}: source {i} is {s.shape} {s.dtype}, but source 0 is "
+                       f"{shape} {dtype}; all sources must match")
+  if valid is not None:
+    if valid.shape != (len(sources),):
+      raise ValueError(f"{who}: valid must have shape [{len(sources)}], got {valid.shape}")
+    if valid.dtype != jnp.bool_:
+      raise ValueError(f"{who}: valid must be a bool array, got {valid.dtype}")
+
+
+def _lead(x: jax.Array, ndim: int) -> jax.Array:
+  """x [...] → x [..., 1, …] with ndim − x.ndim trailing unit axes (broadcast over d)."""
+  return x.reshape(x.shape + (1,) * (ndim - x.ndim))
+
+
+def _scales_and_dots(sources: tuple, q32: jax.Array, eps: float
+                     ) -> tuple[jax.Array, jax.Array]:
+  """Per source, r_i = 1/sqrt(mean_d s_i² + eps) and c_i = <s_i, q>, both fp32 [S, B, T].
+
+  One source at a time: the fp32 upcast of s_i lives only inside the fused reductions.
+  """
+  r, c = [], []
+  for s in sources:
+    s32 = s.astype(jnp.float32)
+    r.append(jax.lax.rsqrt(jnp.mean(s32 * s32, axis=-1) + eps))
+    c.append(jnp.sum(s32 * q32, axis=-1))
+  return jnp.stack(r), jnp.stack(c)
+
+
+def _depth_mix_fwd(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps: float
+                   ) -> tuple[jax.Array, tuple]:
+  r, c = _scales_and_dots(sources, query.astype(jnp.float32), eps)
+  logits = r * c                                                          # = <RMSNorm(s_i), q>
+  if valid is not None:
+    logits = jnp.where(_lead(valid, logits.ndim), logits, -jnp.inf)
+  alpha = jax.nn.softmax(logits, axis=0)                                  # [S, B, T] fp32
+  ndim = sources[0].ndim
+  h = sum(_lead(alpha[i], ndim) * s.astype(jnp.float32) for i, s in enumerate(sources))
+  return h.astype(sources[0].dtype), (sources, query, alpha, r)
+
+
+def _depth_mix_bwd(eps: float, residuals: tuple, dh: jax.Array) -> tuple:
+  """The VJP of h = Σ_i α_i s_i, α = softmax_i(l_i), l_i = r_i c_i, r_i = (mean_d s_i² + eps)^-½,
+  c_i = <s_i, q> (d = width):
+
+    dα_i = <dh, s_i>;   dl_i = α_i (dα_i − Σ_j α_j dα_j)      (softmax's VJP)
+    ∂r_i/∂s_i = −r_i³ s_i / d                                    (eps inside the sqrt, mean over d)
+    ds_i = α_i dh + dl_i (r_i q − c_i r_i³ s_i / d);   dq = Σ_{i,b,t} dl_i r_i s_i.
+
+  A masked source has α_i = 0, hence dl_i = 0 and ds_i = 0, as under the stacked formulation.
+  """
+  sources, query, alpha, r = residuals
+  q32 = query.astype(jnp.float32)
+  dh32 = dh.astype(jnp.float32)
+  ndim, width = sources[0].ndim, sources[0].shape[-1]
+  d_alpha, c = [], []
+  for s in sources:
+    s32 = s.astype(jnp.float32)
+    d_alpha.append(jnp.sum(dh32 * s32, axis=-1))
+    c.append(jnp.sum(s32 * q32, axis=-1))
+  d_alpha, c = jnp.stack(d_alpha), jnp.stack(c)                           # [S, B, T] fp32
+  d_logit = alpha * (d_alpha - jnp.sum(alpha * d_alpha, axis=0))
+  d_key = d_logit * r                                                     # dl_i ∂l_i/∂(r_i s_i)
+  d_self = d_logit * c * r**3 / width                                     # dl_i c_i r_i³ / d
+  d_sources = tuple(
+      (_lead(alpha[i], ndim) * dh32 + _lead(d_key[i], ndim) * q32
+       - _lead(d_self[i], ndim) * s.astype(jnp.float32)).astype(s.dtype)
+      for i, s in enumerate(sources))
+  batch_axes = tuple(range(ndim - 1))
+  d_query = sum(jnp.sum(_lead(d_key[i], ndim) * s.astype(jnp.float32), axis=batch_axes)
+                for i, s in enumerate(sources))
+  return d_sources, d_query.astype(query.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _depth_mix(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps: float
+               ) -> jax.Array:
+  return _depth_mix_fwd(sources, query, valid, eps)[0]
+
+
+_depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
+
+
+def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[jax.Array],
+              eps: float) -> jax.Array:
+  """h = Σ_i softmax_i(<RMSNorm(s_i), q>) s_i, in fp32, with a memory-lean hand-written VJP.
+
+  Args:
+    sources: non-empty sequence of [B, T, d] arrays (any leading axes) of one shape and dtype.
+    query: [d] pseudo-query, any float dtype (upcast to fp32).
+    valid: None, or [len(sources)] bool: False leaves a source out of the softmax (logit −inf).
+      At least one source must be valid (else h is NaN, as softmax over nothing).
+    eps: RMSNorm epsilon, inside the square root (k3jax.layers.common.rms_norm).
+  Returns:
+    h [B, T, d] in the sources' dtype. Gradients: sources in their dtype, query in its dtype;
+    valid gets none. The backward keeps only the sources, α and r ([S, B, T] fp32) from the forward.
+  """
+  _check_sources(sources, valid, "depth_mix")
+  if query.shape != (sources[0].shape[-1],):
+    raise ValueError(f"depth_mix: query must have shape [{sources[0].shape[-1]}] (the sources' "
+                     f"width), got {query.shape}")
+  return _depth_mix(tuple(sources), query, valid, float(eps))
+
+
 class DepthMix(nn.Module):
   """h = Σ_i softmax_i(w · RMSNorm(s_i)) s_i over a list of same-shaped sources.
 
@@ -69,30 +187,14 @@ class DepthMix(nn.Module):
   Call: sources, a non-empty sequence of [B, T, d] arrays of one dtype → h [B, T, d] in that dtype;
   valid (optional), [len(sources)] bool: False leaves a source out of the softmax (the decoder's
   scan keeps frozen blocks in fixed slots, some not yet written). At least one must be valid.
-  The scores and the weighted sum are computed in fp32.
+  The scores and the weighted sum are computed in fp32 (by `depth_mix`).
   """
   config: ModelConfig
 
   @nn.compact
   def __call__(self, sources: Sequence[jax.Array], valid: Optional[jax.Array] = None
                ) -> jax.Array:
-    if len(sources) == 0:
-      raise ValueError("DepthMix: sources must be a non-empty sequence of [B, T, d] arrays")
-    shape, dtype = sources[0].shape, sources[0].dtype
-    for i, s in enumerate(sources):
-      if s.shape != shape or s.dtype != dtype:
-        raise ValueError(f"DepthMix: source {i} is {s.shape} {s.dtype}, but source 0 is "
-                         f"{shape} {dtype}; all sources must match")
-    query = common.logical_param(self, "query", (shape[-1],), ("norm",), nn.initializers.zeros,
-                                 common.to_dtype(self.config.param_dtype))
-    values = jnp.stack([s.astype(jnp.float32) for s in sources], axis=0)   # [S, ..., d]
-    keys = common.rms_norm(values, self.config.norm_eps)
-    logits = jnp.einsum("s...d,d->s...", keys, query.astype(jnp.float32),
-                        precision=jax.lax.Precision.HIGHEST)
-    if valid is not None:
-      if valid.shape != (len(sources),):
-        raise ValueError(f"DepthMix: valid must have shape [{len(sources)}], got {valid.shape}")
-      logits = jnp.where(valid.reshape((-1,) + (1,) * (logits.ndim - 1)), logits, -jnp.inf)
-    alpha = jax.nn.softmax(logits, axis=0)
-    return jnp.einsum("s...,s...d->...d", alpha, values,
-                      precision=jax.lax.Precision.HIGHEST).astype(dtype)
+    _check_sources(sources, valid, "DepthMix")
+    query = common.logical_param(self, "query", (sources[0].shape[-1],), ("norm",),
+                                 nn.initializers.zeros, common.to_dtype(self.config.param_dtype))
+    return depth_mix(sources, query, valid, self.config.norm_eps)
