@@ -306,3 +306,47 @@ def test_max_attention_logits_blocked_keys():
       np.ones((t, t), bool))[None]
   want = np.max(np.where(mask[:, None], logits, -np.inf), axis=(0, 2, 3))
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5)
+
+
+def test_xla_blockwise_grad_inside_scan_stacks_no_block_pairs():
+  """jit(grad) of the blockwise attention inside a lax.scan (as in the scanned decoder): no array
+  of T² elements anywhere in the compiled program. With the inner loops as fori_loops (scans),
+  JAX's linearisation of the enclosing scan stacked per-(query block, key block) masks and
+  probabilities, [nq, nk, B, H, 1, bq, bk]: 96 GiB at T = 65536 in small.gin's step on CPU."""
+  import math
+  import re
+  from k3jax.ops.attention_blockwise import blockwise_attention
+  t, h, d = 1024, 2, 16
+  seg = jnp.ones((1, t), jnp.int32)
+  pos = jnp.arange(t, dtype=jnp.int32)[None]
+
+  def layer(x, w):
+    q = (x @ w).reshape(1, t, h, d)
+    out = blockwise_attention(q, q, q, seg, pos, seg, pos, scale=0.25, causal=True,
+                              q_block=128, kv_block=128)
+    return out.reshape(1, t, h * d)
+
+  def loss(ws, x):
+    y, _ = jax.lax.scan(lambda c, w: (layer(c, w), None), x, ws)
+    return jnp.sum(y)
+
+  ws = jnp.full((2, h * d, h * d), 0.01)
+  x = jnp.ones((1, t, h * d))
+  text = jax.jit(jax.grad(loss)).lower(ws, x).compile().as_text()
+  sizes = [math.prod(int(n) for n in dims.split(",") if n)
+           for dims in re.findall(r"[a-z]\d*\[([\d,]+)\]", text)]
+  assert max(sizes) < t * t, max(sizes)
+  # The gradient itself is the dense one's.
+  def dense_layer(x, w):
+    q = (x @ w).reshape(1, t, h, d)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", q, q) * 0.25
+    logits = jnp.where(jnp.tril(jnp.ones((t, t), bool)), logits, -jnp.inf)
+    return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, -1), q).reshape(1, t, h * d)
+
+  def dense_loss(ws, x):
+    y, _ = jax.lax.scan(lambda c, w: (dense_layer(c, w), None), x, ws)
+    return jnp.sum(y)
+
+  x = jax.random.normal(jax.random.PRNGKey(0), (1, t, h * d))
+  ws = jax.random.normal(jax.random.PRNGKey(1), (2, h * d, h * d)) * 0.1
+  np.testing.assert_allclose(jax.grad(loss)(ws, x), jax.grad(dense_loss)(ws, x), rtol=2e-4, atol=2e-4)
