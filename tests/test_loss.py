@@ -1,4 +1,5 @@
-"""chunked_cross_entropy against the logits-based loss, and K3Model's return_hidden."""
+"""chunked_cross_entropy and chunked_loss_by_position against the logits-based loss, document
+positions, and K3Model's return_hidden."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import pytest
 
 from k3jax.config import ModelConfig
 from k3jax.evaluate import token_cross_entropy
-from k3jax.loss import chunked_cross_entropy
+from k3jax.data.packing import make_batch
+from k3jax.loss import chunked_cross_entropy, chunked_loss_by_position, document_positions
 from k3jax.model import K3Model, init_variables
 
 
@@ -85,3 +87,84 @@ def test_model_return_hidden_gives_the_logits():
   assert h.shape == (2, 16, 16) and head.shape == (16, 19)
   np.testing.assert_allclose(np.asarray(jnp.dot(h, head, preferred_element_type=jnp.float32)),
                              np.asarray(logits), rtol=1e-6, atol=1e-6)
+
+
+def _naive_positions(segment_ids: np.ndarray) -> np.ndarray:
+  """Position inside the document by a loop: reset wherever the segment id changes."""
+  out = np.zeros(segment_ids.shape, np.int64)
+  for b in range(segment_ids.shape[0]):
+    for t in range(1, segment_ids.shape[1]):
+      same = segment_ids[b, t] == segment_ids[b, t - 1]
+      out[b, t] = out[b, t - 1] + 1 if same else 0
+  return out
+
+
+def test_document_positions_restart_at_each_document():
+  bos = 0
+  # Documents of 3, 5, 1, 4 and 8 tokens in a stream; rows of 7 start mid-document.
+  stream = np.array([bos, 5, 6, bos, 7, 8, 9, 10, bos, bos, 1, 2, 3, bos, 4, 4, 4, 4, 4, 4, 4, 4])
+  batch = make_batch(stream[:22], 7, bos)
+  got = np.asarray(document_positions(jnp.asarray(batch["segment_ids"])))
+  np.testing.assert_array_equal(got, _naive_positions(batch["segment_ids"]))
+  np.testing.assert_array_equal(got[0], [0, 1, 2, 0, 1, 2, 3])    # row 0: BOS at 0 and 3
+  # Row 1 starts mid-document: counted from the row start (the context the model has there).
+  np.testing.assert_array_equal(got[1], [0, 0, 0, 1, 2, 3, 0])
+  # Padding (segment 0) between documents is a segment of its own.
+  seg = jnp.asarray([[1, 1, 0, 0, 2, 2, 2]])
+  np.testing.assert_array_equal(np.asarray(document_positions(seg))[0], [0, 1, 0, 1, 0, 1, 2])
+
+
+def _naive_loss_by_position(h, head, targets, mask, positions, edges):
+  logits = np.asarray(h, np.float64) @ np.asarray(head, np.float64)
+  logz = np.log(np.exp(logits).sum(-1))
+  ce = logz - np.take_along_axis(logits, np.asarray(targets)[..., None], -1)[..., 0]
+  sums, counts = np.zeros(len(edges)), np.zeros(len(edges))
+  for (b, t), p in np.ndenumerate(np.asarray(positions)):
+    k = max(i for i, e in enumerate(edges) if e <= p)
+    sums[k] += ce[b, t] * float(mask[b, t])
+    counts[k] += float(mask[b, t])
+  return sums, counts
+
+
+@pytest.mark.parametrize("chunk", [0, 6, 4, 1])
+def test_loss_by_position_matches_dense(chunk):
+  h, head, targets, mask = _inputs(t=13)
+  # Documents restart positions; segment 0 is padding, its loss_mask 0.
+  seg = np.array([[1] * 11 + [2] * 2, [1] * 2 + [2] * 7 + [0] * 4])
+  mask = mask * jnp.asarray(seg > 0, jnp.float32)
+  positions = document_positions(jnp.asarray(seg))
+  edges = (0, 2, 5, 8)
+  got = jax.jit(lambda h, w: chunked_loss_by_position(h, w, targets, mask, positions, edges,
+                                                      chunk))(h, head)
+  want_sums, want_counts = _naive_loss_by_position(h, head, targets, mask, _naive_positions(seg),
+                                                   edges)
+  assert np.all(want_counts > 0)      # every bucket has tokens: the test compares something
+  np.testing.assert_allclose(np.asarray(got[0]), want_sums, rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(got[1]), want_counts)
+  # Chunked = unchunked, and the buckets add up to chunked_cross_entropy's sums.
+  plain = chunked_loss_by_position(h, head, targets, mask, positions, edges, 0)
+  np.testing.assert_allclose(np.asarray(got[0]), np.asarray(plain[0]), rtol=1e-6)
+  total = chunked_cross_entropy(h, head, targets, mask, chunk)
+  np.testing.assert_allclose(float(jnp.sum(got[0])), float(total[0]), rtol=1e-6)
+  assert float(jnp.sum(got[1])) == float(total[1])
+
+
+def test_loss_by_position_never_holds_the_logits():
+  from tests.ops.test_chunking import all_shapes
+  h, head, targets, mask = _inputs(t=12, v=97)
+  positions = jnp.broadcast_to(jnp.arange(12), (2, 12))
+  f = lambda h, w: chunked_loss_by_position(h, w, targets, mask, positions, (0, 4), 6)  # noqa: E731
+  shapes = all_shapes(jax.make_jaxpr(f)(h, head))
+  assert not [s for s in shapes if len(s) >= 3 and s[-1] == 97 and np.prod(s[:-1]) > 6], shapes
+
+
+def test_loss_by_position_rejects_bad_edges_and_shapes():
+  h, head, targets, mask = _inputs()
+  positions = jnp.zeros(targets.shape, jnp.int32)
+  for edges in [(1, 4), (0, 4, 4), (0, 8, 4), (), (0, 2.5)]:
+    with pytest.raises(ValueError, match="bucket_edges .* strictly increasing ints starting at 0"):
+      chunked_loss_by_position(h, head, targets, mask, positions, edges, 4)
+  with pytest.raises(ValueError, match="positions must be"):
+    chunked_loss_by_position(h, head, targets, mask, positions[:, :3], (0, 4), 4)
+  with pytest.raises(ValueError, match="head must be"):
+    chunked_loss_by_position(h, head.T, targets, mask, positions, (0, 4), 4)
