@@ -54,3 +54,33 @@ def host_event_times(logdir: str) -> collections.Counter:
         for event in line.events:
           total[event.name] += event.duration_ns
   return total
+
+
+def _stat(event, name: str):
+  """The value of stat `name` of a trace event, or None (stats are (name, value) pairs)."""
+  for item in event.stats:
+    key, value = item if isinstance(item, tuple) else (getattr(item, "name", None),
+                                                      getattr(item, "value", None))
+    if key == name:
+      return value
+  return None
+
+
+def stream_hlo_op_times(logdir: str, device_index: int = 0) -> collections.Counter:
+  """HLO instruction -> total ns of the kernels it launched, over the stream lines of the plane
+  '/device:GPU:<device_index>' (the 'hlo_op' stat XLA attaches to each kernel; a kernel without
+  one is counted under its own name). Empty when the trace has no such plane."""
+  from jax.profiler import ProfileData
+  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
+  if not paths:
+    raise FileNotFoundError(f"no .xplane.pb under {logdir}")
+  total = collections.Counter()
+  for plane in ProfileData.from_file(sorted(paths)[-1]).planes:
+    if plane.name != f"/device:GPU:{device_index}":
+      continue
+    for line in plane.lines:
+      if line.name.startswith("Stream"):
+        for event in line.events:
+          op = _stat(event, "hlo_op")
+          total[str(op) if op else event.name] += event.duration_ns
+  return total

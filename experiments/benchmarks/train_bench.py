@@ -25,7 +25,8 @@ as it is known:
             and the peak summed by model scope (hlo_memory.py);
   startup_profile  with --profile_startup DIR: the cold start-up's top host events (XLA's
             compile phases);
-  profile_scopes   with --profile and --memory_report: the step's device time by model scope;
+  profile_scopes   with --profile and --memory_report: the step's kernel time by model scope and
+            by module kind, and the MoE's share of it against its share of the FLOPs;
   profile   with --profile DIR: the top kernels by device time per step, from a jax.profiler
             trace of --profile_steps steps written under DIR/<case>;
   error     the case's error (first line), or its timeout; the driver goes on with the next case.
@@ -47,11 +48,9 @@ that cannot start in time are reported as errors.
 from __future__ import annotations
 
 import argparse
-import collections
 import dataclasses
 import json
 import os
-import re
 import statistics
 import subprocess
 import sys
@@ -180,32 +179,34 @@ def top_host_events(logdir: str, top: int = 40) -> dict:
           "python": [row(n, ns) for n, ns in events if n.startswith("$")][:top]}
 
 
-def scope_kernel_times(logdir: str, dump_dir: str, steps: int, depth: int = 4,
-                       top: int = 40) -> dict:
-  """{'top_scopes': [[scope, ms per step], ...]}: the device time of the trace's 'XLA Ops' line
-  summed by model scope (the op_name of each HLO instruction in the dumped optimised step,
-  hlo_memory.scope_of; 'bwd:' marks the backward pass)."""
+def scope_kernel_times(logdir: str, dump_dir: str, steps: int, model_cfg, seq_len: int,
+                       depth: int = 4, top: int = 40) -> dict:
+  """{'top_scopes': [[scope, ms per step], ...], 'by_module': [[kind, ms per step, share], ...],
+  'moe_time_share', 'moe_flop_share'}: the step's kernel time attributed through each kernel's HLO
+  instruction to the model (kernel_scopes.py), and the MoE layers' share of it against their
+  share of the forward FLOPs (k3jax.flops.forward_flops_breakdown; the backward's FLOPs are in
+  the same proportion)."""
   sys.path.insert(0, _HERE)
   import hlo_memory
+  import kernel_scopes
   import trace_times
-  lines = trace_times.device_line_times(logdir) or {}
-  # Without an 'XLA Ops' line, the stream kernels: a fusion's kernel is its name with '.' -> '_'.
-  ops = lines.get("XLA Ops") or trace_times.stream_kernel_times(lines)
+  from k3jax import flops as flops_lib
+  ops = trace_times.stream_hlo_op_times(logdir)
   if not ops:
-    return {"note": f"no kernels in the trace (lines: {sorted(lines)[:8]})"}
+    return {"note": "no GPU kernels in the trace"}
   _, hlo = hlo_memory._module_files(dump_dir, "train_step")
   with open(hlo) as f:
     info = hlo_memory.instruction_info(f.read())
-  by_scope = collections.Counter()
-  for op, ns in ops.items():
-    dotted = re.sub(r"_(\d+)$", r".\1", op)
-    _, op_name = info.get(op, info.get(dotted, ("", "")))
-    key = hlo_memory.scope_of(op_name, depth) if op_name else f"(unmapped) {op[:40]}"
-    if "transpose(" in op_name:
-      key = "bwd:" + key
-    by_scope[key] += ns
-  return {"top_scopes": [[k, round(ns / steps / 1e6, 3)] for k, ns in by_scope.most_common(top)],
-          "xla_ops_ms_per_step": round(sum(ops.values()) / steps / 1e6, 3)}
+  by_scope, by_kind = kernel_scopes.attribute(ops, info, depth)
+  total = sum(ops.values())
+  flops = flops_lib.forward_flops_breakdown(model_cfg, seq_len)
+  moe_flops = sum(v for k, v in flops.items() if k.startswith("moe_"))
+  ms = lambda ns: round(ns / steps / 1e6, 3)
+  return {"kernel_ms_per_step": ms(total),
+          "by_module": [[k, ms(ns), round(ns / total, 3)] for k, ns in by_kind.most_common()],
+          "moe_time_share": round(by_kind["moe"] / total, 3),
+          "moe_flop_share": round(moe_flops / sum(flops.values()), 3),
+          "top_scopes": [[k, ms(ns)] for k, ns in by_scope.most_common(top)]}
 
 
 def run_case(case: dict, args, process_start: float) -> dict:
@@ -315,7 +316,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
     emit(event="profile", case=name, logdir=logdir, **top_kernels(logdir, args.profile_steps))
     if args.memory_report:
       emit(event="profile_scopes", case=name, **scope_kernel_times(
-          logdir, os.environ["K3JAX_BENCH_DUMP"], args.profile_steps))
+          logdir, os.environ["K3JAX_BENCH_DUMP"], args.profile_steps, mcfg, seq_len))
   return row
 
 

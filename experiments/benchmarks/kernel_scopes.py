@@ -1,0 +1,63 @@
+r"""Device time of a training step by model scope and by kind of module, from a profile and the
+optimised HLO of the step (train_bench.py --profile --memory_report).
+
+Each kernel of a GPU trace carries the HLO instruction that launched it ('hlo_op'); the optimised
+HLO gives that instruction's op_name, the JAX path of the operation it computes, e.g.
+'jit(train_step)/transpose(jvp(K3Model))/scanned_period_4/layer_2/moe/...'. `attribute` sums the
+time by scope (`hlo_memory.scope_of`, 'bwd:' for the backward pass) and by module kind: the first
+path part that names one of the decoder's modules ('moe', 'kda', 'mla', the dense 'ffn', AttnRes's
+depth mixes, the norms), 'optimizer/loss/other' for ops outside them. Kernels without an
+instruction are classified by name (tokamax's ragged_* kernels are the MoE's grouped matmul, kda_*
+the KDA kernels, memcpy the copies).
+"""
+from __future__ import annotations
+
+import collections
+import re
+from typing import Mapping
+
+import hlo_memory
+
+# Module names of k3jax.model / k3jax.layers, in the order a path part is looked up.
+MODULE_KINDS = {"moe": "moe", "kda": "kda", "mla": "mla", "ffn": "ffn (dense)",
+                "attn_mix": "attnres", "ffn_mix": "attnres", "final_mix": "attnres",
+                "attn_norm": "norm", "ffn_norm": "norm", "final_norm": "norm"}
+_BY_KERNEL_NAME = ((re.compile(r"ragged"), "moe"), (re.compile(r"^kda_"), "kda"),
+                   (re.compile(r"flash|attention|mha"), "mla"),
+                   (re.compile(r"(?i)memcpy|memset"), "copies"))
+
+
+def module_kind(op_name: str) -> str:
+  """The decoder module an op_name belongs to (MODULE_KINDS' values), else 'optimizer/loss/other'."""
+  for part in re.split(r"[/()]", op_name.split(";")[0]):
+    if part in MODULE_KINDS:
+      return MODULE_KINDS[part]
+  return "optimizer/loss/other"
+
+
+def kind_of_kernel_name(name: str) -> str:
+  for pattern, kind in _BY_KERNEL_NAME:
+    if pattern.search(name):
+      return kind
+  return "unattributed kernels"
+
+
+def attribute(op_ns: Mapping[str, int], info: Mapping[str, tuple], depth: int = 4
+              ) -> tuple[collections.Counter, collections.Counter]:
+  """(ns by scope, ns by module kind) of `op_ns` (HLO instruction or kernel name -> ns), with
+  `info` = hlo_memory.instruction_info of the optimised HLO. Names that are not instructions of
+  `info` are tried as XLA's kernel names (a fusion 'loop_add_fusion.3' runs as
+  'loop_add_fusion_3'), then classified by name."""
+  by_scope, by_kind = collections.Counter(), collections.Counter()
+  for op, ns in op_ns.items():
+    entry = info.get(op) or info.get(re.sub(r"_(\d+)$", r".\1", op))
+    if entry is None or not entry[1]:
+      kind = kind_of_kernel_name(op)
+      by_scope[f"({kind}) {op[:48]}"] += ns
+      by_kind[kind] += ns
+      continue
+    op_name = entry[1]
+    bwd = "transpose(" in op_name
+    by_scope[("bwd:" if bwd else "") + hlo_memory.scope_of(op_name, depth)] += ns
+    by_kind[module_kind(op_name)] += ns
+  return by_scope, by_kind

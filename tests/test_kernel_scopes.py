@@ -1,0 +1,48 @@
+"""kernel_scopes: kernel time attributed to model scopes and module kinds through the HLO."""
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments", "benchmarks"))
+import hlo_memory  # noqa: E402
+import kernel_scopes  # noqa: E402
+
+HLO = """
+ENTRY %main {
+  %fusion.3 = bf16[4,8]{1,0} fusion(%p), kind=kLoop, metadata={op_name="jit(train_step)/jvp(K3Model)/layer_0/attn_mix/mul"}
+  %custom-call.7 = bf16[4,8]{1,0} custom-call(%a), custom_call_target="__cublas$gemm", metadata={op_name="jit(train_step)/transpose(jvp(K3Model))/scanned_period_4/while/body/layer_2/moe/shared/dot_general"}
+  %loop_add_fusion.12 = f32[8]{0} fusion(%g), kind=kLoop, metadata={op_name="jit(train_step)/add"}
+  ROOT %custom-call.9 = bf16[4,8]{1,0} custom-call(%b), custom_call_target="__gpu$xla.gpu.triton", metadata={op_name="jit(train_step)/jvp(K3Model)/layer_1/kda/pallas_call"}
+}
+"""
+
+
+def test_module_kind_reads_the_first_module_in_the_path():
+  assert kernel_scopes.module_kind("jit(s)/transpose(jvp(K3Model))/layer_3/moe/shared/dot") == "moe"
+  assert kernel_scopes.module_kind("jit(s)/jvp(K3Model)/layer_0/ffn_mix/mul") == "attnres"
+  assert kernel_scopes.module_kind("jit(s)/jvp(K3Model)/layer_0/ffn/dot") == "ffn (dense)"
+  assert kernel_scopes.module_kind("jit(s)/jvp(K3Model)/layer_0/attn_norm/rsqrt") == "norm"
+  assert kernel_scopes.module_kind("jit(s)/adam/mul") == "optimizer/loss/other"
+
+
+def test_attribute_sums_by_scope_and_kind():
+  info = hlo_memory.instruction_info(HLO)
+  ops = {"fusion.3": 10, "custom-call.7": 20, "loop_add_fusion_12": 5, "custom-call.9": 7,
+         "ragged_dot_sm90_mosaic_gpu_kernel": 30, "MemcpyD2D": 4, "nvjet_tst_128x128": 3}
+  by_scope, by_kind = kernel_scopes.attribute(ops, info, depth=4)
+  assert sum(by_scope.values()) == sum(by_kind.values()) == sum(ops.values())
+  assert by_kind == {"attnres": 10, "moe": 50, "optimizer/loss/other": 5, "kda": 7, "copies": 4,
+                     "unattributed kernels": 3}
+  assert by_scope["bwd:K3Model/scanned_period_4/layer_2/moe"] == 20
+  assert by_scope["K3Model/layer_0/attn_mix"] == 10
+
+
+@pytest.mark.parametrize("name, kind", [("kda_dense_bwd", "kda"), ("memcpy128", "copies"),
+                                        ("flash_attention_sm90_mosaic_gpu_kernel", "mla"),
+                                        ("ragged_contracting_dim_dot_sm90", "moe"),
+                                        ("input_reduce_fusion_361", "unattributed kernels")])
+def test_kernel_names_without_an_instruction(name, kind):
+  assert kernel_scopes.kind_of_kernel_name(name) == kind
