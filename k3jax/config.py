@@ -375,12 +375,26 @@ class EvalConfig:
   passkey_multipliers: tuple = (1, 2, 4, 8)
   passkey_samples: int = 8
   log_every_steps: int = 5
+  # Passkey lengths (train length x multiplier) above this are not run: at the long stages they
+  # would cost more than the stage's training steps and say little about a small model.
+  passkey_max_len: int = 65536
+  # Validation loss by position inside the document: buckets [e_i, e_{i+1}), the last unbounded.
+  position_buckets: tuple = (0, 1024, 8192, 65536, 262144)
 
   def validate(self) -> None:
     _check(self.every_steps >= 0, "EvalConfig.every_steps", "an integer >= 0", self.every_steps)
     _check(self.num_batches > 0, "EvalConfig.num_batches", "a positive integer", self.num_batches)
     _check(self.log_every_steps > 0, "EvalConfig.log_every_steps", "a positive integer",
            self.log_every_steps)
+    _check(isinstance(self.passkey_max_len, int) and not isinstance(self.passkey_max_len, bool)
+           and self.passkey_max_len > 0, "EvalConfig.passkey_max_len", "a positive integer",
+           self.passkey_max_len)
+    edges = self.position_buckets
+    _check(isinstance(edges, tuple) and len(edges) > 0
+           and all(isinstance(e, int) and not isinstance(e, bool) for e in edges)
+           and edges[0] == 0 and all(a < b for a, b in zip(edges, edges[1:])),
+           "EvalConfig.position_buckets", "a tuple of strictly increasing ints starting at 0, "
+           "e.g. (0, 1024, 8192)", edges)
 
 
 @gin.configurable

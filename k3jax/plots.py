@@ -1,4 +1,5 @@
-"""End-of-run PNG plots (matplotlib, Agg backend): losses per stage, expert load, passkey accuracy."""
+"""End-of-run PNG plots (matplotlib, Agg backend): losses per stage, validation loss by position
+inside the document, expert load, passkey accuracy."""
 
 from __future__ import annotations
 
@@ -78,11 +79,52 @@ def plot_passkey(results: Mapping[int, Mapping[int, float]], path: str) -> str:
   return path
 
 
+LOSS_BY_POS = "val_loss_by_pos/"
+
+
+def loss_by_position_per_stage(eval_records: Sequence[Mapping]) -> dict[int, dict[str, float]]:
+  """{stage: {bucket name '<lo>-<hi>': loss}} from the last evaluation record of each stage that has
+  the loss by position (eval records of k3jax.evaluate); empty buckets (None) are left out."""
+  out: dict[int, dict[str, float]] = {}
+  for r in eval_records:
+    by_pos = {k[len(LOSS_BY_POS):]: v for k, v in r.items()
+              if k.startswith(LOSS_BY_POS) and isinstance(v, (int, float))}
+    if by_pos and "stage" in r:
+      out[int(r["stage"])] = by_pos
+  return out
+
+
+def plot_loss_by_position(eval_records: Sequence[Mapping], stages: Sequence[Sequence[int]],
+                          path: str) -> str:
+  """Validation loss vs position inside the document (one line per stage, its last evaluation):
+  whether tokens deep inside long documents gain from the longer context of later stages."""
+  per_stage = loss_by_position_per_stage(eval_records)
+  names = sorted({n for by_pos in per_stage.values() for n in by_pos},
+                 key=lambda n: int(n.split("-")[0]))
+  fig, ax = plt.subplots(figsize=(6.5, 4))
+  for stage, by_pos in sorted(per_stage.items()):
+    xs = [i for i, n in enumerate(names) if n in by_pos]
+    seq_len = stages[stage][0] if stage < len(stages) else "?"
+    ax.plot(xs, [by_pos[names[i]] for i in xs], "o-", label=f"stage {stage} (T={seq_len})")
+  ax.set_xticks(range(len(names)), labels=names, fontsize=8)
+  ax.set_xlabel("position inside the document (tokens)")
+  ax.set_ylabel("validation loss (nats/token)")
+  ax.set_title("Validation loss by position")
+  ax.legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def make_all(plot_dir: str, train_records, eval_records, stages, last_loads, layer_names,
              passkey_results) -> list[str]:
   """Writes every plot that has data into plot_dir; returns the written paths."""
   os.makedirs(plot_dir, exist_ok=True)
   written = [plot_losses(train_records, eval_records, stages, os.path.join(plot_dir, "loss.png"))]
+  if loss_by_position_per_stage(eval_records):
+    written.append(plot_loss_by_position(eval_records, stages,
+                                         os.path.join(plot_dir, "loss_by_position.png")))
   if last_loads is not None and len(layer_names):
     written.append(plot_expert_load(last_loads, layer_names,
                                     os.path.join(plot_dir, "expert_load.png")))
