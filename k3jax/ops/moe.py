@@ -459,9 +459,12 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   leaves undefined on some backends).
   """
   # gate and up leave the matmul in x.dtype (fp32 accumulation inside), as in the dense SiTU-GLU:
-  # situ_glu's backward then keeps two bf16 [M, f] arrays, not fp32 ones.
-  gate = ragged_dot_fn(x, w_gate, group_sizes, preferred_element_type=x.dtype)
-  up = ragged_dot_fn(x, w_up, group_sizes, preferred_element_type=x.dtype)
+  # situ_glu's backward then keeps two bf16 [M, f] arrays, not fp32 ones. They are one grouped
+  # matmul against [E, ℓ, 2f]: one kernel (and one backward pair) instead of two, twice as wide.
+  f = w_gate.shape[-1]
+  gate_up = ragged_dot_fn(x, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
+                          preferred_element_type=x.dtype)
+  gate, up = gate_up[:, :f], gate_up[:, f:]
   h = situ_glu(gate, up, beta1, beta2).astype(x.dtype)
   y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
   return jnp.where(in_group[:, None], y, 0.0)
