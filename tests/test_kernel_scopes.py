@@ -46,3 +46,10 @@ def test_attribute_sums_by_scope_and_kind():
                                         ("input_reduce_fusion_361", "unattributed kernels")])
 def test_kernel_names_without_an_instruction(name, kind):
   assert kernel_scopes.kind_of_kernel_name(name) == kind
+
+
+def test_scope_of_drops_control_flow_and_repeated_scan_names():
+  op = ("jit(train_step)/call_exported/jit(train_step)/transpose(jvp(K3Model))/while/body/"
+        "eval_jaxpr/scanned_period_4/scanned_period_4/checkpoint/layer_2/kda/cond")
+  assert hlo_memory.scope_of(op, 5) == "K3Model/scanned_period_4/layer_2/kda"
+  assert hlo_memory.scope_of("jit(f)/jvp(K3Model)/layer_0/moe/dot_general", 3) == "K3Model/layer_0/moe"

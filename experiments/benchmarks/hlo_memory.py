@@ -27,7 +27,8 @@ _OP_NAME = re.compile(r'op_name="([^"]*)"')
 _TRANSFORM = re.compile(r"\b(?:jvp|transpose|vmap|checkpoint|remat|custom_jvp_call|"
                         r"custom_vjp_call|closed_call|core_call)\(([^()]*)\)")
 # Path parts that are control flow or nested jits, not model scopes.
-_SKIP_PART = re.compile(r"^(?:jit\(.*\)|while|body|cond|scan|checkpoint|rematted_computation)$")
+_SKIP_PART = re.compile(r"^(?:jit\(.*\)|while|body|cond|scan|checkpoint|rematted_computation|"
+                        r"call_exported|eval_jaxpr)$")
 
 
 def _module_files(dump_dir: str, module: str) -> tuple[str, str]:
@@ -81,9 +82,13 @@ def scope_of(op_name: str, depth: int = 3) -> str:
     if new == text:
       break
     text = new
-  parts = [p for p in text.split("/") if p and not _SKIP_PART.match(p)]
+  parts = [p for p in text.split("/") if p]
   parts = parts[:-1] if len(parts) > 1 else parts  # the last part is the primitive
-  return "/".join(parts[:depth]) or "(no op_name)"
+  kept = []
+  for part in parts:  # nn.scan repeats its module's name: keep one
+    if not _SKIP_PART.match(part) and (not kept or kept[-1] != part):
+      kept.append(part)
+  return "/".join(kept[:depth]) or "(no op_name)"
 
 
 def peak_report(dump_dir: str, module: str = "train_step", top: int = 25, depth: int = 3) -> dict:

@@ -267,7 +267,8 @@ def run_case(case: dict, args, process_start: float) -> dict:
     sys.path.insert(0, _HERE)
     import hlo_memory
     emit(event="memory", case=name, **hlo_memory.peak_report(
-        os.environ["K3JAX_BENCH_DUMP"], "train_step"))
+        os.environ["K3JAX_BENCH_DUMP"], "train_step", top=args.memory_top,
+        depth=args.memory_depth))
   if args.compile_only:
     return dict(case=name, compile_only=True, init_s=round(init_s, 2),
                 trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
@@ -337,7 +338,8 @@ def _child(case: dict, args, run: int, cache_dir: str, timeout_s: float) -> None
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p))
   if args.memory_report and run == 1:  # the warm re-run compiles nothing to dump
-    cmd.append("--memory_report")
+    cmd += ["--memory_report", f"--memory_top={args.memory_top}",
+            f"--memory_depth={args.memory_depth}"]
     # XLA writes the buffers live at the step's memory peak (hlo_memory.py reads them).
     dump = tempfile.mkdtemp(prefix=f"xla_dump_{case['name']}_")
     env["K3JAX_BENCH_DUMP"] = dump
@@ -416,6 +418,10 @@ def main(argv=None) -> int:
   p.add_argument("--profile_startup", default="",
                  help="folder for a jax.profiler trace of the cold start-up (initialisation, "
                       "lowering and compiling the step); prints its top host events")
+  p.add_argument("--memory_top", type=int, default=25,
+                 help="--memory_report: how many of the largest buffers and scopes to print")
+  p.add_argument("--memory_depth", type=int, default=4,
+                 help="--memory_report: path parts of a scope (4: model/period/layer/module)")
   p.add_argument("--compile_only", action="store_true",
                  help="stop each case after compiling the step (no steps run)")
   p.add_argument("--cache_dir", default="",
