@@ -14,6 +14,7 @@ document.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional, Tuple
 
@@ -67,6 +68,99 @@ def causal_conv1d(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Arr
   return y, final_state
 
 
+def _shifted(a: jax.Array, i: int) -> jax.Array:
+  """a[:, t - i] along axis 1 (zeros for t < i): [B, T, ...]."""
+  if i == 0:
+    return a
+  pad = [(0, 0), (i, 0)] + [(0, 0)] * (a.ndim - 2)
+  return jnp.pad(a, pad)[:, :a.shape[1]]
+
+
+def _ahead(a: jax.Array, i: int) -> jax.Array:
+  """a[:, t + i] along axis 1 (zeros past the end): the transpose of `_shifted`."""
+  if i == 0:
+    return a
+  pad = [(0, 0), (0, i)] + [(0, 0)] * (a.ndim - 2)
+  return jnp.pad(a, pad)[:, i:]
+
+
+def _tap_masks(segment_ids: Optional[jax.Array], t: int, width: int):
+  """Per tap i (tokens back), [B, T, 1] bool: x[t - i] reaches y[t] (same segment, t not padding);
+  None without segment ids (every tap reaches, the zero padding of the shift aside)."""
+  if segment_ids is None:
+    return [None] * width
+  valid = segment_ids != 0
+  return [(valid & (_shifted(segment_ids, i) == segment_ids) if i else valid)[..., None]
+          for i in range(width)]
+
+
+def _conv_fp32(x: jax.Array, kernel: jax.Array, masks) -> jax.Array:
+  """y [B, T, C] fp32 = Σ_i kernel[W-1-i] · mask_i · x[t - i] (the training path, no state)."""
+  width = kernel.shape[0]
+  w32 = kernel.astype(jnp.float32)
+  y = None
+  for i in range(width):
+    xi = _shifted(x, i).astype(jnp.float32)
+    if masks[i] is not None:
+      xi = jnp.where(masks[i], xi, 0.0)
+    y = w32[width - 1 - i] * xi if y is None else y + w32[width - 1 - i] * xi
+  return y
+
+
+def _conv_silu_fwd(x, kernel, segment_ids, out_dtype):
+  masks = _tap_masks(segment_ids, x.shape[1], kernel.shape[0])
+  y = _conv_fp32(x, kernel, masks)
+  return jax.nn.silu(y).astype(out_dtype), (x, kernel, segment_ids)
+
+
+def _conv_silu_bwd(out_dtype, residuals, dout):
+  """dy = dout · silu'(y), silu'(y) = s (1 + y (1 − s)), s = sigmoid(y), with y recomputed;
+  dx[t] = Σ_i kernel[W-1-i] · (mask_i · dy)[t + i];  dkernel[W-1-i] = Σ_{b,t} mask_i · dy · x[t − i]."""
+  del out_dtype
+  x, kernel, segment_ids = residuals
+  width = kernel.shape[0]
+  masks = _tap_masks(segment_ids, x.shape[1], width)
+  y = _conv_fp32(x, kernel, masks)
+  s = jax.nn.sigmoid(y)
+  dy = dout.astype(jnp.float32) * s * (1.0 + y * (1.0 - s))
+  w32 = kernel.astype(jnp.float32)
+  dx, dkernel = None, []
+  for i in range(width):
+    dyi = dy if masks[i] is None else jnp.where(masks[i], dy, 0.0)
+    term = w32[width - 1 - i] * _ahead(dyi, i)
+    dx = term if dx is None else dx + term
+    dkernel.append(jnp.sum(dyi * _shifted(x, i).astype(jnp.float32), axis=(0, 1)))
+  dkernel = jnp.stack(dkernel[::-1])          # tap i weighs kernel[W-1-i]
+  return dx.astype(x.dtype), dkernel.astype(kernel.dtype), None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_silu(x, kernel, segment_ids, out_dtype):
+  return _conv_silu_fwd(x, kernel, segment_ids, out_dtype)[0]
+
+
+_conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
+
+
+def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
+              out_dtype) -> jax.Array:
+  """silu(causal_conv1d(x, kernel, segment_ids)) in `out_dtype`, for training (no state).
+
+  x [B, T, C]; kernel [W, C]; segment_ids [B, T] int or None. The same values as the two-step
+  computation (fp32 math), with a hand-written VJP that keeps only x (in its dtype), the kernel
+  and the segment ids: autodiff kept fp32 copies of every shifted input and of the pre-activation,
+  about five fp32 [B, T, C] arrays per convolution (15 GiB per KDA layer's three convolutions on
+  a 1M-token row).
+  """
+  if x.ndim != 3 or kernel.ndim != 2 or kernel.shape[1] != x.shape[-1]:
+    raise ValueError(f"conv_silu: x must be [B, T, C] and kernel [W, C], got {x.shape} and "
+                     f"{kernel.shape}")
+  if segment_ids is not None and segment_ids.shape != x.shape[:2]:
+    raise ValueError(f"conv_silu: segment_ids must be [B, T] = {x.shape[:2]}, got "
+                     f"{segment_ids.shape}")
+  return _conv_silu(x, kernel, segment_ids, jnp.dtype(out_dtype))
+
+
 class ShortConv(nn.Module):
   """Depthwise causal conv (no bias) + SiLU with a decode cache.
 
@@ -93,8 +187,7 @@ class ShortConv(nn.Module):
     if segment_ids is not None and segment_ids.shape != (b, t):
       raise ValueError(f"segment_ids must have shape {(b, t)}, got {segment_ids.shape}")
     if not decode:
-      y, _ = causal_conv1d(x, kernel, segment_ids)
-      return nn.silu(y).astype(self.dtype)
+      return conv_silu(x, kernel, segment_ids, self.dtype)
 
     initializing = self.is_initializing()
     state = self.variable("cache", "conv_state", jnp.zeros, (b, self.width - 1, c), x.dtype)
