@@ -45,7 +45,7 @@ def causal_conv1d(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Arr
   width, channels = kernel.shape
   if channels != x.shape[-1]:
     raise ValueError(f"kernel has {channels} channels, x has {x.shape[-1]}")
-  b, t, _ = x.shape
+  b = x.shape[0]
   if initial_state is None:
     initial_state = jnp.zeros((b, width - 1, channels), x.dtype)
   elif segment_ids is not None:
@@ -54,16 +54,7 @@ def causal_conv1d(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Arr
     raise ValueError(f"initial_state must have shape {(b, width - 1, channels)}, "
                      f"got {initial_state.shape}")
   ext = jnp.concatenate([initial_state.astype(x.dtype), x], axis=1)  # [B, W-1+T, C]
-  w32 = kernel.astype(jnp.float32)
-  y = jnp.zeros((b, t, channels), jnp.float32)
-  for i in range(width):  # i = how many tokens back; W is tiny (4), so this unrolls.
-    xi = jax.lax.dynamic_slice_in_dim(ext, width - 1 - i, t, axis=1).astype(jnp.float32)
-    if segment_ids is not None and i > 0:
-      seg_prev = jnp.pad(segment_ids, ((0, 0), (i, 0)))[:, :t]
-      xi = jnp.where((seg_prev == segment_ids)[..., None], xi, 0.0)
-    y = y + w32[width - 1 - i] * xi
-  if segment_ids is not None:
-    y = jnp.where((segment_ids != 0)[..., None], y, 0.0)
+  y = _conv_taps(ext, kernel, _tap_masks(segment_ids, width))
   final_state = ext[:, ext.shape[1] - (width - 1):]
   return y, final_state
 
@@ -84,9 +75,9 @@ def _ahead(a: jax.Array, i: int) -> jax.Array:
   return jnp.pad(a, pad)[:, i:]
 
 
-def _tap_masks(segment_ids: Optional[jax.Array], t: int, width: int):
+def _tap_masks(segment_ids: Optional[jax.Array], width: int):
   """Per tap i (tokens back), [B, T, 1] bool: x[t - i] reaches y[t] (same segment, t not padding);
-  None without segment ids (every tap reaches, the zero padding of the shift aside)."""
+  None without segment ids (every tap reaches)."""
   if segment_ids is None:
     return [None] * width
   valid = segment_ids != 0
@@ -94,22 +85,33 @@ def _tap_masks(segment_ids: Optional[jax.Array], t: int, width: int):
           for i in range(width)]
 
 
-def _conv_fp32(x: jax.Array, kernel: jax.Array, masks) -> jax.Array:
-  """y [B, T, C] fp32 = Σ_i kernel[W-1-i] · mask_i · x[t - i] (the training path, no state)."""
+def _tap(ext: jax.Array, width: int, i: int) -> jax.Array:
+  """x[t - i] for the T positions of the row, from ext [B, W-1+T, C] (the W-1 inputs before the
+  row, then the row)."""
+  return jax.lax.dynamic_slice_in_dim(ext, width - 1 - i, ext.shape[1] - (width - 1), axis=1)
+
+
+def _conv_taps(ext: jax.Array, kernel: jax.Array, masks) -> jax.Array:
+  """y [B, T, C] fp32 = Σ_i kernel[W-1-i] · mask_i · x[t - i], x[t - i] from ext (`_tap`)."""
   width = kernel.shape[0]
   w32 = kernel.astype(jnp.float32)
   y = None
-  for i in range(width):
-    xi = _shifted(x, i).astype(jnp.float32)
+  for i in range(width):  # i = how many tokens back; W is tiny (4), so this unrolls.
+    xi = _tap(ext, width, i).astype(jnp.float32)
     if masks[i] is not None:
       xi = jnp.where(masks[i], xi, 0.0)
     y = w32[width - 1 - i] * xi if y is None else y + w32[width - 1 - i] * xi
   return y
 
 
+def _zero_history(x: jax.Array, width: int) -> jax.Array:
+  """ext for a row with no history: W-1 zeros before x."""
+  return jnp.pad(x, ((0, 0), (width - 1, 0), (0, 0)))
+
+
 def _conv_silu_fwd(x, kernel, segment_ids, out_dtype):
-  masks = _tap_masks(segment_ids, x.shape[1], kernel.shape[0])
-  y = _conv_fp32(x, kernel, masks)
+  width = kernel.shape[0]
+  y = _conv_taps(_zero_history(x, width), kernel, _tap_masks(segment_ids, width))
   return jax.nn.silu(y).astype(out_dtype), (x, kernel, segment_ids)
 
 
@@ -119,8 +121,9 @@ def _conv_silu_bwd(out_dtype, residuals, dout):
   del out_dtype
   x, kernel, segment_ids = residuals
   width = kernel.shape[0]
-  masks = _tap_masks(segment_ids, x.shape[1], width)
-  y = _conv_fp32(x, kernel, masks)
+  masks = _tap_masks(segment_ids, width)
+  ext = _zero_history(x, width)
+  y = _conv_taps(ext, kernel, masks)
   s = jax.nn.sigmoid(y)
   dy = dout.astype(jnp.float32) * s * (1.0 + y * (1.0 - s))
   w32 = kernel.astype(jnp.float32)
@@ -129,7 +132,7 @@ def _conv_silu_bwd(out_dtype, residuals, dout):
     dyi = dy if masks[i] is None else jnp.where(masks[i], dy, 0.0)
     term = w32[width - 1 - i] * _ahead(dyi, i)
     dx = term if dx is None else dx + term
-    dkernel.append(jnp.sum(dyi * _shifted(x, i).astype(jnp.float32), axis=(0, 1)))
+    dkernel.append(jnp.sum(dyi * _tap(ext, width, i).astype(jnp.float32), axis=(0, 1)))
   dkernel = jnp.stack(dkernel[::-1])          # tap i weighs kernel[W-1-i]
   return dx.astype(x.dtype), dkernel.astype(kernel.dtype), None
 
