@@ -31,7 +31,7 @@ _SKIP_PART = re.compile(r"^(?:jit\(.*\)|while|body|cond|scan|checkpoint|rematted
                         r"call_exported|eval_jaxpr)$")
 
 
-def _module_files(dump_dir: str, module: str) -> tuple[str, str]:
+def module_files(dump_dir: str, module: str) -> tuple[str, str]:
   """(live-range file, optimised HLO file) of the largest dumped module whose name has `module`."""
   ranges = [f for f in glob.glob(os.path.join(dump_dir, "*after_optimizations-live-range.txt"))
             if module in os.path.basename(f)]
@@ -94,7 +94,7 @@ def scope_of(op_name: str, depth: int = 3) -> str:
 def peak_report(dump_dir: str, module: str = "train_step", top: int = 25, depth: int = 3) -> dict:
   """{'peak_gib', 'buffers': [[gib, name, shape, op_name], ...] (top), 'scopes': [[gib, scope],
   ...]} of the largest module named like `module` in `dump_dir` (see the module docstring)."""
-  live_range, hlo = _module_files(dump_dir, module)
+  live_range, hlo = module_files(dump_dir, module)
   with open(live_range) as f:
     peak = peak_buffers(f.read())
   info = {}

@@ -11,15 +11,20 @@ import glob
 import os
 
 
-def device_line_times(logdir: str, device_index: int = 0):
-  """{line name: Counter(event name -> total ns)} of the plane '/device:GPU:<device_index>' in the
-  newest trace under `logdir`; None when the trace has no such plane (on CPU ops run on host
-  threads). Raises FileNotFoundError when `logdir` holds no trace."""
+def _newest_planes(logdir: str):
+  """The planes of the newest .xplane.pb under `logdir`; FileNotFoundError when there is none."""
   from jax.profiler import ProfileData
   paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
   if not paths:
     raise FileNotFoundError(f"no .xplane.pb under {logdir}")
-  for plane in ProfileData.from_file(sorted(paths)[-1]).planes:
+  return ProfileData.from_file(sorted(paths)[-1]).planes
+
+
+def device_line_times(logdir: str, device_index: int = 0):
+  """{line name: Counter(event name -> total ns)} of the plane '/device:GPU:<device_index>' in the
+  newest trace under `logdir`; None when the trace has no such plane (on CPU ops run on host
+  threads). Raises FileNotFoundError when `logdir` holds no trace."""
+  for plane in _newest_planes(logdir):
     if plane.name == f"/device:GPU:{device_index}":
       lines = {}
       for line in plane.lines:
@@ -43,12 +48,8 @@ def host_event_times(logdir: str) -> collections.Counter:
   """Event name -> total ns over every host ('/host:CPU') line of the newest trace under `logdir`:
   the compiler's own phases (XLA marks its passes, LLVM and PTX compilation, autotuning) when the
   trace covered a compile. Nested events are each counted, so totals overlap."""
-  from jax.profiler import ProfileData
-  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-  if not paths:
-    raise FileNotFoundError(f"no .xplane.pb under {logdir}")
   total = collections.Counter()
-  for plane in ProfileData.from_file(sorted(paths)[-1]).planes:
+  for plane in _newest_planes(logdir):
     if plane.name.startswith("/host:"):
       for line in plane.lines:
         for event in line.events:
@@ -70,12 +71,8 @@ def stream_hlo_op_times(logdir: str, device_index: int = 0) -> collections.Count
   """HLO instruction -> total ns of the kernels it launched, over the stream lines of the plane
   '/device:GPU:<device_index>' (the 'hlo_op' stat XLA attaches to each kernel; a kernel without
   one is counted under its own name). Empty when the trace has no such plane."""
-  from jax.profiler import ProfileData
-  paths = glob.glob(os.path.join(logdir, "**", "*.xplane.pb"), recursive=True)
-  if not paths:
-    raise FileNotFoundError(f"no .xplane.pb under {logdir}")
   total = collections.Counter()
-  for plane in ProfileData.from_file(sorted(paths)[-1]).planes:
+  for plane in _newest_planes(logdir):
     if plane.name != f"/device:GPU:{device_index}":
       continue
     for line in plane.lines:

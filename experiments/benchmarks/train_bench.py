@@ -194,7 +194,7 @@ def scope_kernel_times(logdir: str, dump_dir: str, steps: int, model_cfg, seq_le
   ops = trace_times.stream_hlo_op_times(logdir)
   if not ops:
     return {"note": "no GPU kernels in the trace"}
-  _, hlo = hlo_memory._module_files(dump_dir, "train_step")
+  _, hlo = hlo_memory.module_files(dump_dir, "train_step")
   with open(hlo) as f:
     info = hlo_memory.instruction_info(f.read())
   by_scope, by_kind = kernel_scopes.attribute(ops, info, depth)
