@@ -13,6 +13,14 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 
+def _save(fig, path: str) -> str:
+  """Writes `fig` to `path` as PNG (110 dpi), closes it, returns `path`."""
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def plot_losses(train_records: Sequence[Mapping], eval_records: Sequence[Mapping],
                 stages: Sequence[Sequence[int]], path: str) -> str:
   """Training loss vs step (one colour per stage) with validation loss markers; stage boundaries
@@ -36,10 +44,7 @@ def plot_losses(train_records: Sequence[Mapping], eval_records: Sequence[Mapping
   ax.set_ylabel("loss (nats/token)")
   ax.set_title("Loss per stage")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _save(fig, path)
 
 
 def plot_expert_load(loads: np.ndarray, layer_names: Sequence[str], path: str) -> str:
@@ -55,10 +60,7 @@ def plot_expert_load(loads: np.ndarray, layer_names: Sequence[str], path: str) -
   ax.set_xlabel("expert")
   ax.set_title("Expert load / mean load (last step)")
   fig.colorbar(im, ax=ax)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _save(fig, path)
 
 
 def plot_passkey(results: Mapping[int, Mapping[int, float]], path: str) -> str:
@@ -73,10 +75,7 @@ def plot_passkey(results: Mapping[int, Mapping[int, float]], path: str) -> str:
   ax.set_ylabel("passkey accuracy")
   ax.set_title("Passkey retrieval")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _save(fig, path)
 
 
 LOSS_BY_POS = "val_loss_by_pos/"
@@ -111,10 +110,7 @@ def plot_loss_by_position(eval_records: Sequence[Mapping], stages: Sequence[Sequ
   ax.set_ylabel("validation loss (nats/token)")
   ax.set_title("Validation loss by position")
   ax.legend(fontsize=8)
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return path
+  return _save(fig, path)
 
 
 def make_all(plot_dir: str, train_records, eval_records, stages, last_loads, layer_names,
