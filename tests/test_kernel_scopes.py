@@ -35,7 +35,7 @@ def test_attribute_sums_by_scope_and_kind():
   by_scope, by_kind = kernel_scopes.attribute(ops, info, depth=4)
   assert sum(by_scope.values()) == sum(by_kind.values()) == sum(ops.values())
   assert by_kind == {"attnres": 10, "moe": 50, "optimizer/loss/other": 5, "kda": 7, "copies": 4,
-                     "unattributed kernels": 3}
+                     "gemm (module unknown)": 3}
   assert by_scope["bwd:K3Model/scanned_period_4/layer_2/moe"] == 20
   assert by_scope["K3Model/layer_0/attn_mix"] == 10
 
@@ -43,6 +43,9 @@ def test_attribute_sums_by_scope_and_kind():
 @pytest.mark.parametrize("name, kind", [("kda_dense_bwd", "kda"), ("memcpy128", "copies"),
                                         ("flash_attention_sm90_mosaic_gpu_kernel", "mla"),
                                         ("ragged_contracting_dim_dot_sm90", "moe"),
+                                        ("batched_body_mosaic_gpu_kernel", "mla"),
+                                        ("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_TNT",
+                                         "gemm (module unknown)"),
                                         ("input_reduce_fusion_361", "unattributed kernels")])
 def test_kernel_names_without_an_instruction(name, kind):
   assert kernel_scopes.kind_of_kernel_name(name) == kind

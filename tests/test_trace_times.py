@@ -68,3 +68,30 @@ def test_ep_bench_collective_time(trace_dir):
   assert ep.collective_time_from_profile(trace_dir, 1) == {"all-reduce": 0.001,
                                                            "source": "NCCL kernels"}
   assert ep.collective_time_from_profile(trace_dir, 2) == {}
+
+
+# Kernels with an 'hlo_op' stat: one launched by its own instruction, two from a command buffer
+# (a CUDA graph: the stat names the thunk), one without the stat.
+XSPACE_HLO_OPS = """
+planes { id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(compute)"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 stats { metadata_id: 9 str_value: "fusion.7" } }
+    events { metadata_id: 2 offset_ps: 3000000 duration_ps: 1000000 stats { metadata_id: 9 str_value: "command_buffer_12" } }
+    events { metadata_id: 3 offset_ps: 5000000 duration_ps: 4000000 stats { metadata_id: 9 str_value: "command_buffer_12" } }
+    events { metadata_id: 4 offset_ps: 9000000 duration_ps: 500000 } }
+  event_metadata { key: 1 value { id: 1 name: "loop_fusion_7" } }
+  event_metadata { key: 2 value { id: 2 name: "loop_add_fusion_3" } }
+  event_metadata { key: 3 value { id: 3 name: "nvjet_sm90_tst" } }
+  event_metadata { key: 4 value { id: 4 name: "memcpy128" } }
+  stat_metadata { key: 9 value { id: 9 name: "hlo_op" } }
+}
+"""
+
+
+def test_stream_hlo_op_times_keys_command_buffer_kernels_by_name(tmp_path):
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(XSPACE_HLO_OPS))
+  assert dict(trace_times.stream_hlo_op_times(str(tmp_path))) == {
+      "fusion.7": 2000.0, "loop_add_fusion_3": 1000.0, "nvjet_sm90_tst": 4000.0,
+      "memcpy128": 500.0}

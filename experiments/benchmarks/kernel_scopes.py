@@ -22,9 +22,12 @@ import hlo_memory
 MODULE_KINDS = {"moe": "moe", "kda": "kda", "mla": "mla", "ffn": "ffn (dense)",
                 "attn_mix": "attnres", "ffn_mix": "attnres", "final_mix": "attnres",
                 "attn_norm": "norm", "ffn_norm": "norm", "final_norm": "norm"}
+# tokamax's attention backward runs as 'batched_body_mosaic_gpu_kernel' (its jax function's name);
+# cuBLAS's GEMMs ('nvjet_*', 'sm90_xmma_*', 'cutlass_*') are shared by every module.
 _BY_KERNEL_NAME = ((re.compile(r"ragged"), "moe"), (re.compile(r"^kda_"), "kda"),
-                   (re.compile(r"flash|attention|mha"), "mla"),
-                   (re.compile(r"(?i)memcpy|memset"), "copies"))
+                   (re.compile(r"flash|attention|mha|^batched_body"), "mla"),
+                   (re.compile(r"(?i)memcpy|memset"), "copies"),
+                   (re.compile(r"^nvjet|xmma|cutlass|gemm"), "gemm (module unknown)"))
 
 
 def module_kind(op_name: str) -> str:

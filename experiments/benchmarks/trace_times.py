@@ -70,7 +70,10 @@ def _stat(event, name: str):
 def stream_hlo_op_times(logdir: str, device_index: int = 0) -> collections.Counter:
   """HLO instruction -> total ns of the kernels it launched, over the stream lines of the plane
   '/device:GPU:<device_index>' (the 'hlo_op' stat XLA attaches to each kernel; a kernel without
-  one is counted under its own name). Empty when the trace has no such plane."""
+  one is counted under its own name). Kernels that XLA launched from a command buffer (a CUDA
+  graph of many HLO instructions) carry the thunk's name, 'command_buffer_<n>', as hlo_op: those
+  are counted under their kernel names too, which for XLA's fusions are the instructions' names
+  ('loop_add_fusion.3' runs as 'loop_add_fusion_3'). Empty when the trace has no such plane."""
   total = collections.Counter()
   for plane in _newest_planes(logdir):
     if plane.name != f"/device:GPU:{device_index}":
@@ -79,5 +82,6 @@ def stream_hlo_op_times(logdir: str, device_index: int = 0) -> collections.Count
       if line.name.startswith("Stream"):
         for event in line.events:
           op = _stat(event, "hlo_op")
-          total[str(op) if op else event.name] += event.duration_ns
+          use_op = op and not str(op).startswith("command_buffer")
+          total[str(op) if use_op else event.name] += event.duration_ns
   return total
