@@ -110,8 +110,9 @@ class ModelConfig:
 
   # Activation memory: what the backward pass of each decoder layer keeps from its forward.
   #   'none': everything autodiff saves; 'full': only the layer's inputs (the layer's forward runs
-  #   again in the backward); 'dots': also the outputs of matmuls without batch dimensions
-  #   (jax.checkpoint_policies.dots_with_no_batch_dims_saveable).
+  #   again in the backward pass, once the gradient of its output exists: one layer recomputed at
+  #   a time, k3jax/layers/remat.py); 'dots': also the outputs of matmuls without batch dimensions
+  #   (jax.checkpoint_policies.dots_with_no_batch_dims_saveable, through nn.remat).
   remat: str = "none"
   # Run the repeated middle of the decoder as one `nn.scan` over groups of layers (compile time
   # independent of depth; parameters stacked on a leading 'layers' axis). False: a Python loop over

@@ -54,6 +54,7 @@ from k3jax.layers.attnres import DepthMix
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import GatedMLA
+from k3jax.layers.remat import OrderedRemat
 from k3jax.layers.moe import LatentMoE
 
 # Logical name of the stacked (per-group) axis of scanned variables; replicated by the rule table.
@@ -160,7 +161,7 @@ class DecoderLayer(nn.Module):
   @nn.compact
   def __call__(self, blocks: Blocks, partial: Optional[jax.Array], segment_ids, mask,
                decode: bool, update_balance: bool):
-    # decode and update_balance are positional so that `nn.remat` can mark them static.
+    # decode and update_balance are positional so that the remat transforms can mark them static.
     cfg = self.config
     dtype = common.to_dtype(cfg.dtype)
     norm = lambda name: common.RMSNorm(cfg.norm_eps, dtype, common.to_dtype(cfg.param_dtype),
@@ -192,13 +193,16 @@ class DecoderLayer(nn.Module):
 
 
 def _layer_class(cfg: ModelConfig, decode: bool):
-  """DecoderLayer, wrapped in `nn.remat` per cfg.remat when training."""
+  """DecoderLayer, rematerialised per cfg.remat when training: 'full' through `OrderedRemat`
+  (the recomputation waits for the output's gradient, so the layers of a scanned group are
+  recomputed one at a time), 'dots' through `nn.remat` with its saving policy."""
   if cfg.remat == "none" or decode:
     return DecoderLayer
   # Argument 0 is the module itself: 5 and 6 are decode and update_balance.
-  policy = (jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            if cfg.remat == "dots" else None)
-  return nn.remat(DecoderLayer, static_argnums=(5, 6), policy=policy)
+  if cfg.remat == "full":
+    return OrderedRemat(DecoderLayer, static_argnums=(5, 6))
+  return nn.remat(DecoderLayer, static_argnums=(5, 6),
+                  policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable)
 
 
 class DecoderGroup(nn.Module):
