@@ -37,6 +37,7 @@ Case sets (--cases):
   curriculum  small.gin, one row of --seq_lens tokens (8192, 65536, 262144, 1048576), single then packed
               (same shapes: the packed run finds the step compiled); the first case is re-run warm;
   one         --gin_file, --seq_len, --batch, --rows, once cold and once warm.
+--no_warm_rerun runs every case once; --compile_only stops each case after compiling its step.
 --smoke: tiny.gin, one case of 2 x 128 tokens, 2 steps (CPU).
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/train_bench.py \
@@ -386,7 +387,8 @@ def drive(args) -> int:
     # One cache folder per config (+ bindings): its cases share the initialisation's entries.
     key = "_".join(os.path.basename(g).removesuffix(".gin") for g in case["gin_files"])
     cache_dir = os.path.join(root, key)
-    for run in (1, 2) if case["warm_rerun"] and not args.compile_only else (1,):
+    rerun = case["warm_rerun"] and not (args.compile_only or args.no_warm_rerun)
+    for run in (1, 2) if rerun else (1,):
       left = deadline - time.time()
       if left < 30:
         emit(event="error", case=case["name"], run=run,
@@ -426,6 +428,8 @@ def main(argv=None) -> int:
                  help="--memory_report: how many of the largest buffers and scopes to print")
   p.add_argument("--memory_depth", type=int, default=4,
                  help="--memory_report: path parts of a scope (4: model/period/layer/module)")
+  p.add_argument("--no_warm_rerun", action="store_true",
+                 help="run each case once (cold); long cases take minutes a step")
   p.add_argument("--compile_only", action="store_true",
                  help="stop each case after compiling the step (no steps run)")
   p.add_argument("--cache_dir", default="",
