@@ -23,9 +23,10 @@ Both 'auto' choices fall back to XLA on CPU: there 'old' and 'new' compile the s
 their losses are equal to the bit. The KDA backend is the config's own ('auto') on every path.
 
 One JSON line per event, printed as soon as known:
-  start     the paths, the shape, what 'auto' attention resolves to here, the device;
+  start     the paths, the shape, the mean document length of the batches, the device;
   progress  a path's init_s (state initialisation, compile included), trace_lower_s, compile_s;
-  path      a path's per-step losses and gradient norms (full precision), and its bindings;
+  path      a path's per-step losses, gradient norms (full precision) and learning rates, its
+            bindings, and the attention implementation its MLA layers resolve to here;
   error     a path that failed (first line of the error);
   summary   per path against 'old': the relative loss difference |l - l_old| / |l_old| per step,
             its maximum, the gradient norms' relative differences (first step and maximum), and
