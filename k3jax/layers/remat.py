@@ -10,10 +10,12 @@ RESULTS.md run 11).
 `ordered_checkpoint` (a function) and `OrderedRemat` (a Flax module class transform) compute the
 same values and gradients as `jax.checkpoint` with no saving policy (the forward's residuals are
 the inputs), but their backward rule passes the saved inputs and the output cotangent through one
-`lax.optimization_barrier` before recomputing: the recomputation of a layer can start only once
-the cotangent of its output exists, i.e. after the backward pass of the layer above it. The
-barrier also keeps XLA from merging the recomputation with the forward pass (what
-`jax.checkpoint`'s prevent_cse does).
+`lax.optimization_barrier` before recomputing, and all the gradients it returns (the inputs'
+and the parameters') through a second one: the recomputation of a layer can start only once the
+cotangent of its output exists, and that cotangent only exists once the layer above has computed
+all its gradients. Without the second barrier XLA postponed the parameter gradients (and kept
+their inputs alive) past the next layers' recomputations. The first barrier also keeps XLA from
+merging the recomputation with the forward pass (what `jax.checkpoint`'s prevent_cse does).
 """
 
 from __future__ import annotations
@@ -80,7 +82,10 @@ def ordered_checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
       return fn(*jax.tree.unflatten(tree, full))
 
     _, vjp = jax.vjp(of_differentiable, *[leaves[i] for i in diff])
-    grads = vjp(cotangent)
+    # All of this layer's gradients leave together: the input cotangent (which the layer below
+    # waits for) is released only once the parameter gradients exist, so this layer's backward
+    # pass is over, and its recomputed activations dead, before the layer below recomputes.
+    grads = jax.lax.optimization_barrier(list(vjp(cotangent)))
     out: list = [None] * len(leaves)
     for i, g in zip(diff, grads):
       out[i] = g

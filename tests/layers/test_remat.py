@@ -100,6 +100,17 @@ def _saved_shapes(fn, *args) -> str:
   return text.getvalue()
 
 
+def test_gradients_leave_together():
+  # The input's cotangent (what the layer below waits for) and the weight's gradient come out of
+  # one barrier: the layer's whole backward pass is done before the layer below recomputes.
+  w, x, ids, mask = _inputs()
+  single = lambda w, x: ordered_checkpoint(layer)(w, x, ids, mask)[0]["y"]
+  _, vjp = jax.vjp(single, w, x)
+  jaxpr = jax.make_jaxpr(vjp)(jnp.ones((5, 8))).jaxpr
+  barriers = [e for e in jaxpr.eqns if e.primitive.name == "optimization_barrier"]
+  assert any(all(v in e.outvars for v in jaxpr.outvars) for e in barriers)
+
+
 def test_only_the_inputs_are_saved():
   w, x, ids, mask = _inputs()
   wide = lambda w, x: layer(w, x, ids, mask)[0]["y"]
