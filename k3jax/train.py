@@ -601,11 +601,13 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
     if restored["meta"]["data_position"] != start:
       raise ValueError(f"checkpoint {start}: data_position {restored['meta']['data_position']} "
                        "!= step")
+    fresh_sh = jax.tree.map(lambda x: x.sharding, state)
     state = TrainState(step=jnp.asarray(start, jnp.int32), params=restored["params"],
                        opt_state=restored["opt_state"], moe_state=restored["moe_state"],
                        rng=restored["rng"])
-    if mesh is not None:
-      state = jax.device_put(state, state_sh)
+    # Every leaf where the fresh state had it (the step counter too): arguments placed otherwise
+    # than at the first launch would make the resumed step compile again (~100 s on the GPU).
+    state = jax.device_put(state, fresh_sh)
     print(f"resuming from step {start} (stage {scfg.stage_at(max(start - 1, 0))})")
   write_config(workdir, cfg)
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start, tensorboard=tensorboard)
