@@ -65,14 +65,10 @@ def ordered_checkpoint(fn: Callable[..., Any]) -> Callable[..., Any]:
 
   @jax.custom_vjp
   def checkpointed(*args):
-    return fn(*_through_barrier(args, ())[0])
+    return fn(*args)
 
   def forward(*args):
-    # The forward pass reads its inputs through a barrier too: values that every layer derives
-    # alike from the same inputs (segment masks) are then computed per layer, not shared between
-    # layers by XLA's CSE (a shared value stays alive from the first layer's forward pass to the
-    # last layer's backward pass: 9 GiB of KDA masks at 1M tokens).
-    return fn(*_through_barrier(args, ())[0]), args
+    return fn(*args), args
 
   def backward(args, cotangent):
     args, cotangent = _through_barrier(args, cotangent)

@@ -159,17 +159,3 @@ def test_flax_module_transform_matches_the_plain_module():
   assert jax.tree.map(int, stats) == jax.tree.map(int, ref_stats)
   for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
     np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5 * float(jnp.max(jnp.abs(r))))
-
-
-def test_layers_do_not_share_values_derived_from_their_inputs():
-  # Two checkpointed layers (own weights) that derive the same value from the same input, as every
-  # KDA layer derives its masks from the segment ids: each computes its own, so that XLA cannot
-  # keep one shared copy alive from the first layer's forward pass to the last one's backward.
-  layer_fn = lambda w, ids: jnp.sin(ids) * w
-  two_layers = lambda w1, w2, ids: (ordered_checkpoint(layer_fn)(w1, ids)
-                                    + ordered_checkpoint(layer_fn)(w2, ids))
-  args = (jnp.ones((4, 4)), jnp.full((4, 4), 2.0), jnp.arange(16.0).reshape(4, 4))
-  hlo = jax.jit(two_layers).lower(*args).compile().as_text()
-  assert hlo.count(" sine(") == 2
-  plain = lambda w1, w2, ids: layer_fn(w1, ids) + layer_fn(w2, ids)
-  assert jax.jit(plain).lower(*args).compile().as_text().count(" sine(") == 1   # XLA's CSE
