@@ -195,6 +195,8 @@ def make_data(cfg: config_lib.Config) -> Data:
 
     corpus = load_corpus(dcfg)
     packing.check_train_size(corpus.train_tokens.size, scfg.tokens_per_step, dcfg)
+    packing.check_validation_size(corpus.valid_tokens.size, max(t for t, _ in scfg.stages), dcfg,
+                                  corpus.train_tokens.size + corpus.valid_tokens.size)
   except ValueError as e:
     raise config_lib.ConfigError(str(e)) from e
 

@@ -292,6 +292,14 @@ def test_training_losses_equal_on_every_mesh(tmp_path):
     np.testing.assert_allclose(got, losses[""], rtol=1e-5, err_msg=axes)
 
 
+def test_validation_too_short_for_the_last_stage_is_a_config_error():
+  # Caught at start-up, not at the last stage's evaluation after all its training.
+  cfg = tiny_config("StagesConfig.stages = ((16, 3), (4096, 3))",
+                    "StagesConfig.tokens_per_step = 4096", "DataConfig.validation_fraction = 0.01")
+  with pytest.raises(config_lib.ConfigError, match="DataConfig.validation_fraction"):
+    train_lib.make_data(cfg)
+
+
 def test_mesh_that_cannot_split_the_batch_is_a_config_error():
   cfg = tiny_config("MeshConfig.axes = 'data:8'")   # stage batches are 4 and 2
   with pytest.raises(config_lib.ConfigError, match="StagesConfig.stages"):

@@ -59,6 +59,28 @@ def check_train_size(num_tokens: int, tokens_per_step: int, data_cfg=None) -> No
                    "token); use more data or lower StagesConfig.tokens_per_step")
 
 
+def check_validation_size(num_tokens: int, longest_seq_len: int, data_cfg=None,
+                          total_tokens: int = 0) -> None:
+  """ValueError naming the settings when a validation split of `num_tokens` cannot fill one row
+  of the longest stage (`longest_seq_len` tokens plus one lookahead token): every stage's
+  evaluation reads rows of its own length, so a run would otherwise stop at the last stage's end,
+  after all its training. total_tokens (train + validation) > 0 adds the validation_fraction
+  that would do."""
+  if num_tokens >= longest_seq_len + 1:
+    return
+  source = "" if data_cfg is None else \
+      f" of DataConfig.source = {data_cfg.source!r}, path = {data_cfg.path!r}"
+  hint = "raise DataConfig.validation_fraction or use more data"
+  if data_cfg is not None and total_tokens > 0:
+    # Documents are assigned whole: ask for a margin over the exact fraction.
+    need = min(0.49, 1.25 * (longest_seq_len + 1) / total_tokens)
+    hint = (f"raise DataConfig.validation_fraction (now {data_cfg.validation_fraction}) to about "
+            f"{need:.2f}, or use more data" if need > data_cfg.validation_fraction else hint)
+  raise ValueError(f"the validation split{source} has {num_tokens} tokens, fewer than one "
+                   f"evaluation row of the longest stage needs ({longest_seq_len} tokens, plus "
+                   f"one lookahead token); {hint}")
+
+
 class TokenWindows:
   """Cyclic, per-epoch re-shuffled view of a packed stream, read by global step.
 

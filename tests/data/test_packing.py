@@ -10,8 +10,8 @@ import pytest
 from k3jax.config import DataConfig, StagesConfig
 from k3jax.data import corpus as corpus_lib
 from k3jax.data.corpus import iter_documents, load_corpus
-from k3jax.data.packing import (StageSeqLen, TokenWindows, make_batch, make_train_iterator,
-                                train_source, validation_batches)
+from k3jax.data.packing import (StageSeqLen, TokenWindows, check_validation_size, make_batch,
+                                make_train_iterator, train_source, validation_batches)
 
 BOS = 256
 
@@ -201,3 +201,13 @@ def test_validation_batches(builtin):
                                                           mode="wrap"))
   with pytest.raises(ValueError, match=r"seq_len=\d+ needs at least .* validation split has"):
     validation_batches(builtin, m, 1, 1)
+
+
+def test_validation_split_must_hold_a_row_of_the_longest_stage():
+  check_validation_size(1025, 1024)                 # one row of 1024 tokens + the lookahead
+  with pytest.raises(ValueError, match="1024 tokens, plus one lookahead"):
+    check_validation_size(1024, 1024)
+  # With the corpus size, the message says which validation_fraction would do.
+  cfg = DataConfig(validation_fraction=0.05)
+  with pytest.raises(ValueError, match=r"validation_fraction \(now 0.05\) to about 0.13"):
+    check_validation_size(500_000, 1_048_576, cfg, total_tokens=10_000_000)
