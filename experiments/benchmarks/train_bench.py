@@ -319,10 +319,12 @@ def run_case(case: dict, args, process_start: float) -> dict:
       for i in range(args.profile_steps):
         state, m = compiled(state, batches[i % 2])
       jax.block_until_ready(m)
-    emit(event="profile", case=name, logdir=logdir, **top_kernels(logdir, args.profile_steps))
+    emit(event="profile", case=name, logdir=logdir,
+         **top_kernels(logdir, args.profile_steps, args.profile_top))
     if args.memory_report:
       emit(event="profile_scopes", case=name, **scope_kernel_times(
-          logdir, os.environ["K3JAX_BENCH_DUMP"], args.profile_steps, mcfg, seq_len))
+          logdir, os.environ["K3JAX_BENCH_DUMP"], args.profile_steps, mcfg, seq_len,
+          top=max(40, args.profile_top)))
   return row
 
 
@@ -336,6 +338,7 @@ def _child(case: dict, args, run: int, cache_dir: str, timeout_s: float) -> None
   cmd = [sys.executable, os.path.abspath(__file__), "--child", json.dumps(case),
          f"--run={run}", f"--cache_dir={cache_dir}", f"--doc_len={args.doc_len}",
          f"--peak_tflops={args.peak_tflops}", f"--profile_steps={args.profile_steps}",
+         f"--profile_top={args.profile_top}",
          f"--spawn_time={time.time()!r}"]
   cmd += [f"--gin_bindings={b}" for b in args.gin_bindings]
   if args.profile and run == 1:  # the warm re-run runs the same executable
@@ -418,6 +421,9 @@ def main(argv=None) -> int:
   p.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS_H200)
   p.add_argument("--profile", default="", help="folder for jax.profiler traces (off if empty)")
   p.add_argument("--profile_steps", type=int, default=3)
+  p.add_argument("--profile_top", type=int, default=15,
+                 help="--profile: how many kernels (and, with --memory_report, at least 40 "
+                      "scopes) to list, by device time")
   p.add_argument("--memory_report", action="store_true",
                  help="print the buffers alive at the compiled step's memory peak (an XLA dump "
                       "read by hlo_memory.py) as a 'memory' line")
