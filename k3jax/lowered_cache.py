@@ -60,9 +60,10 @@ import os
 import re
 import tempfile
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 from jax._src import config as jax_config  # trace_context(): the flags that change a trace
 
 from k3jax import compiler
@@ -475,3 +476,86 @@ def cached_jit(fun: Callable, *, cache_dir: str, description: str,
     raise ValueError("description must be a non-empty str naming what the function closes over "
                      f"(e.g. repr of the Config), got {description!r}")
   return LoweredCachedFunction(fun, cache_dir, description, jit_kwargs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Abstract values (shapes, dtypes, logical axis names) of a traced function
+# ------------------------------------------------------------------------------------------------
+
+ABSTRACT_FORMAT = "k3jax-abstract-1"
+ABSTRACT_SUFFIX = ".abstract.json"
+
+
+def _abstract_to_json(tree: Any) -> Any:
+  """Nested dicts of ShapeDtypeStructs, optionally boxed in flax's LogicallyPartitioned (no mesh,
+  no rules) -> JSON; raises UndescribableTreeError on anything else."""
+  import flax.linen as nn
+  if isinstance(tree, Mapping):
+    if not all(isinstance(k, str) for k in tree):
+      raise UndescribableTreeError(f"non-string keys {sorted(map(repr, tree))}")
+    return {"dict": {k: _abstract_to_json(v) for k, v in tree.items()}}
+  names = None
+  if isinstance(tree, nn.LogicallyPartitioned):
+    if tree.mesh is not None or tree.rules is not None:
+      raise UndescribableTreeError("a LogicallyPartitioned with a mesh or rules")
+    names, tree = list(tree.names), tree.value
+  if type(tree) is not jax.ShapeDtypeStruct or tree.sharding is not None:
+    raise UndescribableTreeError(f"a leaf of type {type(tree).__name__}")
+  return {"leaf": [list(tree.shape), str(tree.dtype), bool(tree.weak_type), names]}
+
+
+def _abstract_from_json(value: Any) -> Any:
+  import flax.linen as nn
+  if "dict" in value:
+    return {k: _abstract_from_json(v) for k, v in value["dict"].items()}
+  shape, dtype, weak_type, names = value["leaf"]
+  leaf = jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype), weak_type=weak_type)
+  return leaf if names is None else nn.LogicallyPartitioned(leaf, tuple(names))
+
+
+def cached_abstract(cache_dir: str, description: str, compute: Callable[[], Any]) -> Any:
+  """`compute()` (an abstract tree, e.g. `jax.eval_shape` of a model's initialisation), kept in
+  `cache_dir` as JSON so that a warm launch does not trace the model for it.
+
+  The tree: nested dicts with string keys whose leaves are ShapeDtypeStructs without sharding,
+  bare or in flax's `LogicallyPartitioned` (names only). Key: as for `cached_jit` (versions,
+  backend, devices, every k3jax and pallas_kernels source, the trace context) plus
+  `description`, which must name what `compute` depends on (e.g. the model config's repr and the
+  sequence length). cache_dir '' computes without a cache. An entry that cannot be read or does
+  not match its key is reported in one warning and rebuilt; a tree of another kind is returned
+  uncached, with one warning.
+  """
+  if not cache_dir:
+    return compute()
+  if not isinstance(description, str) or not description:
+    raise ValueError(f"description must be a non-empty str, got {description!r}")
+  key_json = json.dumps({"format": ABSTRACT_FORMAT, "environment": _environment(),
+                         "description": description, "trace_context": _trace_context()},
+                        sort_keys=True)
+  folder = os.path.expanduser(cache_dir)
+  path = os.path.join(folder, hashlib.sha256(key_json.encode()).hexdigest() + ABSTRACT_SUFFIX)
+  if os.path.exists(path):
+    try:
+      with open(path) as f:
+        entry = json.load(f)
+      if entry.get("key") != key_json:
+        raise ValueError("the stored key differs from this call's")
+      return _abstract_from_json(entry["tree"])
+    except Exception as e:  # pylint: disable=broad-except
+      _log.warning("lowered cache: entry %s is unreadable (%s: %s); rebuilding it", path,
+                   type(e).__name__, e)
+  tree = compute()
+  try:
+    text = json.dumps({"key": key_json, "tree": _abstract_to_json(tree)})
+  except UndescribableTreeError as e:
+    _log.warning("lowered cache: %s not cached: %s", description[:80], e)
+    return tree
+  try:
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=ABSTRACT_SUFFIX)
+    with os.fdopen(fd, "w") as f:
+      f.write(text)
+    os.replace(tmp, path)  # atomic, as for the program entries
+  except OSError as e:
+    _log.warning("lowered cache: cannot write %s (%s)", path, e)
+  return tree

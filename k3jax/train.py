@@ -444,7 +444,10 @@ def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Me
   """
   init_rng, train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
   seq_len = cfg.stages.stages[0][0]
-  abstract_vars = jax.eval_shape(lambda: init_variables(cfg.model, init_rng, 1, seq_len))
+  # Traced once per config: a warm launch reads the shapes and logical axes from the cache.
+  abstract_vars = lowered_cache.cached_abstract(
+      lowered_cache_dir, f"init_variables {cfg.model!r} 1 {seq_len}",
+      lambda: jax.eval_shape(lambda: init_variables(cfg.model, init_rng, 1, seq_len)))
   optimizer, schedule = optim.make_optimizer(cfg.optimizer, total_steps,
                                              optim.logical_axes(abstract_vars["params"]))
 

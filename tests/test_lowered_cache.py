@@ -310,3 +310,48 @@ def test_train_step_and_init_through_the_cache(tmp_path, monkeypatch):
   with pytest.raises(ValueError, match="lowered_cache_dir needs total_steps"):
     train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), None, None,
                               lowered_cache_dir=cache)
+
+
+def _abstract_model_vars():
+  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS)
+  from k3jax.model import init_variables
+  return jax.eval_shape(lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, 16))
+
+
+def test_cached_abstract_hit_equals_the_traced_tree_without_tracing(tmp_path):
+  import flax.linen as nn
+  traced = _abstract_model_vars()
+  first = lowered_cache.cached_abstract(str(tmp_path), "tiny 16", lambda: traced)
+  assert first is traced                                        # a miss returns compute()'s tree
+  assert len(list(tmp_path.glob("*" + lowered_cache.ABSTRACT_SUFFIX))) == 1
+
+  def must_not_trace():
+    raise AssertionError("a hit computed the tree again")
+  hit = lowered_cache.cached_abstract(str(tmp_path), "tiny 16", must_not_trace)
+  is_box = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  a, ta = jax.tree.flatten(traced, is_leaf=is_box)
+  b, tb = jax.tree.flatten(hit, is_leaf=is_box)
+  assert ta == tb and len(a) > 40
+  for x, y in zip(a, b):
+    assert type(x) is type(y)
+    if is_box(x):
+      assert x.names == y.names
+      x, y = x.value, y.value
+    assert (x.shape, x.dtype, x.weak_type) == (y.shape, y.dtype, y.weak_type)
+  # Another description is another entry; no cache folder computes every time.
+  assert lowered_cache.cached_abstract(str(tmp_path), "tiny 32", lambda: 7) == 7
+  assert lowered_cache.cached_abstract("", "tiny 16", lambda: 8) == 8
+
+
+def test_cached_abstract_damaged_entry_is_rebuilt_and_other_trees_run_uncached(tmp_path, caplog):
+  traced = _abstract_model_vars()
+  lowered_cache.cached_abstract(str(tmp_path), "tiny", lambda: traced)
+  (entry,) = tmp_path.glob("*" + lowered_cache.ABSTRACT_SUFFIX)
+  entry.write_text(entry.read_text()[:100])
+  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+    again = lowered_cache.cached_abstract(str(tmp_path), "tiny", lambda: traced)
+  assert again is traced and "unreadable" in caplog.text
+  assert lowered_cache.cached_abstract(str(tmp_path), "tiny", lambda: None) is not None  # rebuilt
+  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+    odd = lowered_cache.cached_abstract(str(tmp_path), "odd", lambda: {"x": np.zeros(3)})
+  assert isinstance(odd["x"], np.ndarray) and "not cached" in caplog.text

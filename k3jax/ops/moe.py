@@ -38,7 +38,6 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import tokamax
 
 RaggedDotFn = Callable[..., jax.Array]
 
@@ -124,6 +123,13 @@ TOKAMAX_IMPLEMENTATIONS = ("mosaic", "xla")
 _MOSAIC_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
+def _tokamax():
+  """The tokamax module, imported on first use: importing it takes ~1.6 s, and a launch whose
+  programs come from the lowered cache never traces a grouped matmul."""
+  import tokamax  # pylint: disable=import-outside-toplevel
+  return tokamax
+
+
 def _call_tokamax(fn, *args, implementation: str, **kwargs) -> jax.Array:
   """`fn(*args, implementation=..., **kwargs)`, its NotImplementedError (tokamax's way of saying
   that its kernel lacks a dtype or shape) turned into an error naming the config field."""
@@ -139,7 +145,7 @@ def _call_tokamax(fn, *args, implementation: str, **kwargs) -> jax.Array:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation):
   """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs."""
-  out = _call_tokamax(tokamax.ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
+  out = _call_tokamax(_tokamax().ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                       implementation=implementation)
   return jnp.where(_rows_in_groups(lhs.shape[0], group_sizes)[:, None], out, 0)
 
@@ -154,9 +160,9 @@ def _tokamax_grouped_bwd(out_dtype, implementation, residuals, dout):
   # Mosaic multiplies bf16 by bf16 (or f16 by f16) only: the fp32 cotangent of an fp32-accumulated
   # output is rounded to the input dtype, as a bf16 matmul's backward would read it anyway.
   dout = dout.astype(lhs.dtype)
-  dlhs = _call_tokamax(tokamax.ragged_dot_general, dout, rhs, group_sizes, _DLHS_DIMS,
+  dlhs = _call_tokamax(_tokamax().ragged_dot_general, dout, rhs, group_sizes, _DLHS_DIMS,
                        preferred_element_type=lhs.dtype, implementation=implementation)
-  drhs = _call_tokamax(tokamax.ragged_dot_general, lhs, dout, group_sizes, _DRHS_DIMS,
+  drhs = _call_tokamax(_tokamax().ragged_dot_general, lhs, dout, group_sizes, _DRHS_DIMS,
                        preferred_element_type=rhs.dtype, implementation=implementation)
   # The kernels never write the rows past the groups (uninitialised memory on the GPU).
   dlhs = jnp.where(_rows_in_groups(lhs.shape[0], group_sizes)[:, None], dlhs, 0)
