@@ -34,6 +34,7 @@ BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
+MICROBATCH_LOOPS = ("scan", "host")
 
 
 @gin.configurable
@@ -276,6 +277,12 @@ class StagesConfig:
   # Gradient accumulation: each step runs as micro-batches of this many tokens (at least one
   # sequence each) whose gradients are summed before one optimizer update. 0: the whole step.
   microbatch_tokens: int = 0
+  # How a step's micro-batches run: 'scan', a lax.scan inside the step's one program; 'host', a
+  # Python loop over jitted programs (one per micro-batch, then the update), so that the model's
+  # decoder scans sit at the top level of a program, where XLA turns the zero initialisations of
+  # their stacked buffers into fills instead of per-micro-batch copies (issue 17). 'scan' stays
+  # the default until the H200 measurement decides (train_bench.py with and without 'host').
+  microbatch_loop: str = "scan"
   # ModelConfig.remat per stage, one entry per stage (e.g. ('none', 'full', 'full', 'full'): long
   # rows keep only each layer's inputs for the backward pass); empty: ModelConfig.remat throughout.
   # See `stage_model_config`.
@@ -287,6 +294,8 @@ class StagesConfig:
                                             self.tokens_per_step % self.microbatch_tokens == 0),
            p + "microbatch_tokens", f"0 or a divisor of tokens_per_step={self.tokens_per_step}",
            self.microbatch_tokens)
+    _check(self.microbatch_loop in MICROBATCH_LOOPS, p + "microbatch_loop",
+           f"one of {MICROBATCH_LOOPS}", self.microbatch_loop)
     _check(len(self.stages) > 0, p + "stages", "a non-empty sequence of (seq_len, steps)", self.stages)
     _check(isinstance(self.remat, (tuple, list)) and len(self.remat) in (0, len(self.stages))
            and all(r in REMAT_POLICIES for r in self.remat), p + "remat",

@@ -43,6 +43,7 @@ from k3jax import config as config_lib
 from k3jax import distributed
 from k3jax import lowered_cache
 from k3jax import metrics as metrics_lib
+from k3jax import microbatch
 from k3jax import optim
 from k3jax import plots
 from k3jax import sharding as sharding_lib
@@ -52,15 +53,13 @@ from k3jax.data.corpus import load_corpus
 from k3jax.data.tokenizers import make_tokenizer
 from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_layer
 from k3jax.evaluate import bytes_per_token, token_cross_entropy
-from k3jax.layers import moe as moe_layers
 from k3jax.flops import flops_per_token
 from k3jax.loss import chunked_cross_entropy
 from k3jax.model import K3Model, init_variables, is_scanned_path, unrolled_to_scanned
 
 PyTree = Any
-# The collection in which MLA layers sow per-head max attention logits for QK-Clip: leaves named
-# 'max_logits', shape [mla_num_heads] fp32, at the MLA module's path (e.g. layer_3/mla/max_logits).
-QK_STATS_COLLECTION = "attn_stats"
+# Where MLA layers sow the per-head max logits for QK-Clip (defined beside the accumulation).
+QK_STATS_COLLECTION = microbatch.QK_STATS_COLLECTION
 # Rows drawn per MQAR validation batch come from rng streams disjoint from the training steps'.
 _SYNTHETIC_VALIDATION_OFFSET = 1 << 40
 
@@ -291,6 +290,11 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   keyed by cfg, total_steps, the shardings and the sources; a warm launch skips tracing and
   lowering. Then total_steps, the one given to `init_train_state` for `optimizer` and `schedule`,
   is required (the schedule's constants are part of the program).
+
+  Micro-batches (StagesConfig.microbatch_tokens, `k3jax.microbatch`): with
+  StagesConfig.microbatch_loop 'scan' they run in a lax.scan inside the one jitted step; with
+  'host' a step of several micro-batches runs as a host loop of jitted programs
+  (`microbatch.HostLoopStep`, same contract and results), one of one micro-batch as the one step.
   """
   mcfg = cfg.model
   use_aux = mcfg.moe_balance == "aux_loss"
@@ -323,10 +327,10 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
     per_micro = cfg.stages.microbatch_rows(seq_len, rows)
     if per_micro == rows:
       return jax.value_and_grad(loss_fn, has_aux=True)(params, moe_state, batch)
-    return _accumulate_microbatches(loss_fn, params, moe_state, batch, rows // per_micro)
+    return microbatch.accumulate_scan(loss_fn, params, moe_state, batch, rows // per_micro)
 
-  def train_step(state: TrainState, batch: dict):
-    (total, (ce, aux, mutated)), grads = grads_of_step(state.params, state.moe_state, batch)
+  def apply_update(state: TrainState, total, ce, aux, mutated, grads):
+    """Everything after the step's loss and gradients: (new state, metrics)."""
     updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     if qk_tau > 0:
@@ -345,6 +349,10 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
                               moe_state=moe_state)
     return new_state, metrics
 
+  def train_step(state: TrainState, batch: dict):
+    (total, (ce, aux, mutated)), grads = grads_of_step(state.params, state.moe_state, batch)
+    return apply_update(state, total, ce, aux, mutated, grads)
+
   jit_kwargs = {}
   if state_shardings is not None or batch_shardings is not None:
     jit_kwargs = dict(in_shardings=(state_shardings, batch_shardings),
@@ -352,82 +360,15 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   if lowered_cache_dir and total_steps is None:
     raise ValueError("make_train_step: lowered_cache_dir needs total_steps (the one given to "
                      "init_train_state)")
-  return lowered_cache.cached_jit(
-      train_step, cache_dir=lowered_cache_dir, donate_argnums=(0,),
-      description=f"make_train_step {cfg!r} {model!r} total_steps={total_steps}", **jit_kwargs)
-
-
-def _accumulate_microbatches(loss_fn: Callable, params, moe_state, batch: dict, num_micro: int):
-  """Gradient accumulation over `num_micro` micro-batches of the batch rows, with `loss_fn`'s
-  contract ((total, (ce, aux, mutated)), grads):
-
-  * micro-batch i holds rows i, i + n, i + 2n, ... (n = num_micro), so that with the batch
-    sharded over devices in contiguous blocks every micro-batch spreads over all of them;
-  * each micro-batch's loss is weighted by its share w_i of the step's loss-mask tokens: the
-    cross-entropy and its gradient are exactly those of the whole batch at once; aux losses are
-    weighted the same way;
-  * the MoE balance state is threaded through: micro-batch i routes with the biases that
-    micro-batch i-1 wrote (QB then updates num_micro times per step, each on its slice);
-  * 'moe_stats' loads and drop counts are summed and MaxVio recomputed from the summed loads;
-    QK-Clip's per-head max logits are the max over micro-batches.
-  Micro-batches run in a `lax.scan`: the activations of one micro-batch are alive at a time.
-  """
-  def split(x):
-    x = x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:])
-    return jnp.swapaxes(x, 0, 1)
-
-  micro = jax.tree.map(split, batch)
-  weights = jnp.sum(micro["loss_mask"].astype(jnp.float32), axis=(1, 2))
-  weights = weights / jnp.maximum(jnp.sum(weights), 1.0)
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-  first = jax.tree.map(lambda x: x[0], micro)
-  _, (_, _, mutated_shape) = jax.eval_shape(lambda: loss_fn(params, moe_state, first))
-  zeros_of = lambda tree, fill: jax.tree.map(lambda a: jnp.full(a.shape, fill, a.dtype), tree)
-  stats0 = zeros_of(mutated_shape.get("moe_stats", {}), 0)
-  qk0 = zeros_of(mutated_shape.get(QK_STATS_COLLECTION, {}), -jnp.inf)
-
-  def body(carry, xs):
-    grads_acc, moe, total_acc, ce_acc, aux_acc, stats_acc, qk_acc = carry
-    mb, w = xs
-    (total, (ce, aux, mutated)), grads = grad_fn(params, moe, mb)
-    grads_acc = jax.tree.map(lambda a, g: a + w * g.astype(a.dtype), grads_acc, grads)
-    stats_acc = jax.tree.map(lambda a, b: a + b.astype(a.dtype), stats_acc,
-                             mutated.get("moe_stats", {}))
-    qk_acc = jax.tree.map(jnp.maximum, qk_acc, mutated.get(QK_STATS_COLLECTION, {}))
-    return (grads_acc, mutated.get("moe_state", moe), total_acc + w * total, ce_acc + w * ce,
-            aux_acc + w * aux, stats_acc, qk_acc), None
-
-  f32_zero = jnp.zeros([], jnp.float32)
-  init = (jax.tree.map(jnp.zeros_like, params), moe_state, f32_zero, f32_zero, f32_zero, stats0,
-          qk0)
-  (grads, new_moe, total, ce, aux, stats, qk), _ = jax.lax.scan(body, init, (micro, weights))
-  mutated = {"moe_state": new_moe, "moe_stats": _combine_microbatch_stats(stats, num_micro)}
-  if qk:
-    mutated[QK_STATS_COLLECTION] = qk
-  return (total, (ce, aux, mutated)), grads
-
-
-def _combine_microbatch_stats(summed: PyTree, num_micro: int) -> PyTree:
-  """Per-layer stats summed over micro-batches -> those of the whole step: loads and drop counts
-  stay sums, aux losses become means, MaxVio is recomputed from the summed load."""
-  def fix(layer: dict) -> dict:
-    out = dict(layer)
-    if "aux_loss" in out:
-      out["aux_loss"] = out["aux_loss"] / num_micro
-    if "load" in out and "max_vio" in out:
-      # A scanned layer's load is [G, E] (one row per group): MaxVio of each row.
-      max_vio = jnp.vectorize(moe_layers.max_violation, signature="(e)->()")
-      out["max_vio"] = max_vio(out["load"]).astype(layer["max_vio"].dtype)
-    return out
-
-  def walk(tree):
-    if isinstance(tree, dict) or hasattr(tree, "items"):
-      if "load" in tree or "max_vio" in tree or "aux_loss" in tree:
-        return fix(tree)
-      return {k: walk(v) for k, v in tree.items()}
-    return tree
-
-  return walk(summed)
+  description = f"make_train_step {cfg!r} {model!r} total_steps={total_steps}"
+  whole_step = lowered_cache.cached_jit(train_step, cache_dir=lowered_cache_dir,
+                                        donate_argnums=(0,), description=description, **jit_kwargs)
+  if cfg.stages.microbatch_loop == "scan":
+    return whole_step
+  return microbatch.HostLoopStep(
+      whole_step, loss_fn, apply_update, cfg.stages.microbatch_rows,
+      state_shardings=state_shardings, batch_shardings=batch_shardings,
+      cache_dir=lowered_cache_dir, description=description)
 
 
 def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Mesh] = None,

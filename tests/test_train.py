@@ -18,6 +18,7 @@ import pytest
 from k3jax import config as config_lib
 from k3jax import evaluate as evaluate_lib
 from k3jax import metrics as metrics_lib
+from k3jax import microbatch as microbatch_lib
 from k3jax import train as train_lib
 from k3jax.checkpoint import Checkpointer
 from testlib import TINY_RUN_BINDINGS, error_ratio
@@ -351,7 +352,7 @@ def test_microbatches_give_the_whole_batch_gradient():
   (loss, (_, _, mut)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
       state.params, state.moe_state, batch)
   (loss_m, (_, _, mut_m)), grads_m = jax.jit(
-      lambda p, m, b: train_lib._accumulate_microbatches(loss_fn, p, m, b, 4))(
+      lambda p, m, b: microbatch_lib.accumulate_scan(loss_fn, p, m, b, 4))(
           state.params, state.moe_state, batch)
   assert abs(float(loss_m) - float(loss)) <= 1e-6 * float(loss)
   for path, a, b in zip(jax.tree_util.tree_leaves_with_path(grads_m), jax.tree.leaves(grads_m),

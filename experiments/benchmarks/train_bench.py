@@ -38,7 +38,7 @@ Case sets (--cases):
               (same shapes: the packed run finds the step compiled); the first case is re-run warm;
   one         --gin_file, --seq_len, --batch, --rows, once cold and once warm.
 --no_warm_rerun runs every case once; --compile_only stops each case after compiling its step.
---smoke: tiny.gin, one case of 2 x 128 tokens, 2 steps (CPU).
+--smoke: tiny.gin, one case of 2 x 128 tokens (two micro-batches of one row), 2 steps (CPU).
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/train_bench.py \
       --cases=throughput [--profile=/tmp/prof] [--gin_bindings="ModelConfig.remat = 'dots'"]
@@ -264,10 +264,15 @@ def run_case(case: dict, args, process_start: float) -> dict:
     jax.profiler.stop_trace()
     emit(event="startup_profile", case=name, logdir=startup_trace,
          **top_host_events(startup_trace))
-  memory = compiled.memory_analysis()
-  temp_gib = None if memory is None else round(memory.temp_size_in_bytes / 2**30, 2)
+  # StagesConfig.microbatch_loop = 'host' compiles several programs (k3jax.microbatch) that run
+  # one after the other: the step's temporaries are the largest of theirs.
+  programs = getattr(compiled, "programs", {"train_step": compiled})
+  memories = {k: c.memory_analysis() for k, c in programs.items()}
+  temp_by_program = {k: round(m.temp_size_in_bytes / 2**30, 2) for k, m in memories.items()
+                     if m is not None}
+  temp_gib = max(temp_by_program.values()) if temp_by_program else None
   emit(event="progress", case=name, init_s=round(init_s, 2), trace_lower_s=round(trace_lower_s, 2),
-       compile_s=round(compile_s, 2), temp_gib=temp_gib)
+       compile_s=round(compile_s, 2), temp_gib=temp_gib, temp_gib_by_program=temp_by_program)
   if args.memory_report:
     sys.path.insert(0, _HERE)
     import hlo_memory
@@ -306,7 +311,8 @@ def run_case(case: dict, args, process_start: float) -> dict:
              step_ms_min=round(min(times) * 1e3, 2), tokens_per_s=round(tokens / step_s),
              gflops_per_token=_sig(flops_per_token / 1e9), tflops=_sig(tflops),
              mfu=_sig(tflops / args.peak_tflops), peak_tflops=args.peak_tflops,
-             peak_gib=_peak_gib(), temp_gib=temp_gib, init_s=round(init_s, 2),
+             peak_gib=_peak_gib(), temp_gib=temp_gib, temp_gib_by_program=temp_by_program,
+             init_s=round(init_s, 2),
              trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
              first_step_s=round(first_step_s, 2), startup_s=round(startup_s, 2),
              cache_entries_before=entries_before,
@@ -449,6 +455,9 @@ def main(argv=None) -> int:
   args = p.parse_args(argv)
   if args.smoke:
     args.doc_len = min(args.doc_len, 48)  # several documents in a 128-token row
+    # Two micro-batches of one row (StagesConfig.microbatch_loop has a loop to run); a later
+    # --gin_bindings wins.
+    args.gin_bindings = ["StagesConfig.microbatch_tokens = 128"] + args.gin_bindings
   if not args.child:
     return drive(args)
   case = json.loads(args.child)

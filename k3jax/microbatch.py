@@ -1,0 +1,304 @@
+"""Gradient accumulation over the micro-batches of a training step (StagesConfig.microbatch_tokens).
+
+A step of B rows with n micro-batches (n = B // `StagesConfig.microbatch_rows`):
+  * micro-batch i holds rows i, i + n, i + 2n, ..., so that with the batch sharded over devices in
+    contiguous blocks every micro-batch spreads over all of them (and stays where it is);
+  * each micro-batch's loss is weighted by its share w_i of the step's loss-mask tokens: the
+    cross-entropy and its gradient are exactly those of the whole batch at once; aux losses are
+    weighted the same way;
+  * the MoE balance state is threaded through: micro-batch i routes with the biases that
+    micro-batch i-1 wrote (QB then updates n times per step, each on its slice);
+  * 'moe_stats' loads and drop counts are summed and MaxVio recomputed from the summed loads;
+    QK-Clip's per-head max logits are the max over micro-batches.
+
+Two ways to run them (StagesConfig.microbatch_loop):
+  'scan'  `accumulate_scan`: a `lax.scan` inside the step's single program.
+  'host'  `HostLoopStep`: a Python loop over jitted programs: `train_step_prepare` (slices the
+          micro-batches, their weights and zero accumulators), n calls of `train_step_microbatch`
+          (one micro-batch's forward and backward pass added to the accumulators, which it
+          donates), then `train_step_update` (optimizer update, QK-Clip, balance state, metrics;
+          it donates the state). The decoder's `nn.scan` then sits at the top level of a program:
+          inside the 'scan' loop body XLA copies the zero initialisations of its stacked saved
+          activations and parameter gradients once per micro-batch (issue 17).
+Both share the per-micro-batch arithmetic (`add_microbatch`, `finish`), so they agree up to the
+rounding of XLA's different fusions.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import lowered_cache
+from k3jax.layers import moe as moe_layers
+
+PyTree = Any
+# The collection in which MLA layers sow per-head max attention logits for QK-Clip: leaves named
+# 'max_logits', shape [mla_num_heads] fp32, at the MLA module's path (e.g. layer_3/mla/max_logits).
+QK_STATS_COLLECTION = "attn_stats"
+# loss_fn(params, moe_state, batch) -> (total, (ce, aux, mutated collections)).
+LossFn = Callable[[PyTree, PyTree, dict], tuple]
+
+
+# ------------------------------------------------------------------------------------------------
+# The arithmetic shared by both loops
+# ------------------------------------------------------------------------------------------------
+
+def split(batch: dict, num_micro: int) -> dict:
+  """[B, ...] arrays -> [num_micro, B // num_micro, ...]; micro-batch i = rows i, i + n, ..."""
+  def one(x):
+    x = x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:])
+    return jnp.swapaxes(x, 0, 1)
+  return jax.tree.map(one, batch)
+
+
+def token_weights(micro: dict) -> jax.Array:
+  """[n] fp32: each micro-batch's share of the step's loss-mask tokens (`split`'s output)."""
+  weights = jnp.sum(micro["loss_mask"].astype(jnp.float32), axis=(1, 2))
+  return weights / jnp.maximum(jnp.sum(weights), 1.0)
+
+
+def zero_accumulators(loss_fn: LossFn, params: PyTree, moe_state: PyTree, micro_batch: dict
+                      ) -> dict:
+  """The running sums before the first micro-batch: {'grads': fp32 zeros like params, 'total',
+  'ce', 'aux': fp32 scalars 0, 'stats': zeros like the 'moe_stats' collection, 'qk': -inf like
+  the QK_STATS_COLLECTION one} (the collections' shapes from an abstract trace of `loss_fn`)."""
+  _, (_, _, mutated_shape) = jax.eval_shape(lambda: loss_fn(params, moe_state, micro_batch))
+  zeros_of = lambda tree, fill: jax.tree.map(lambda a: jnp.full(a.shape, fill, a.dtype), tree)
+  f32_zero = jnp.zeros([], jnp.float32)
+  return {"grads": jax.tree.map(jnp.zeros_like, params), "total": f32_zero, "ce": f32_zero,
+          "aux": f32_zero, "stats": zeros_of(mutated_shape.get("moe_stats", {}), 0),
+          "qk": zeros_of(mutated_shape.get(QK_STATS_COLLECTION, {}), -jnp.inf)}
+
+
+def add_microbatch(loss_fn: LossFn, params: PyTree, moe_state: PyTree, micro_batch: dict,
+                   weight: jax.Array, acc: dict) -> tuple[dict, PyTree]:
+  """One micro-batch's forward and backward pass added to `acc` (`zero_accumulators`' layout)
+  with weight `weight` (fp32 scalar); returns (acc, the balance state it wrote, or `moe_state`
+  when the model wrote none)."""
+  (total, (ce, aux, mutated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      params, moe_state, micro_batch)
+  w = weight
+  acc = {"grads": jax.tree.map(lambda a, g: a + w * g.astype(a.dtype), acc["grads"], grads),
+         "total": acc["total"] + w * total, "ce": acc["ce"] + w * ce,
+         "aux": acc["aux"] + w * aux,
+         "stats": jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc["stats"],
+                               mutated.get("moe_stats", {})),
+         "qk": jax.tree.map(jnp.maximum, acc["qk"], mutated.get(QK_STATS_COLLECTION, {}))}
+  return acc, mutated.get("moe_state", moe_state)
+
+
+def finish(acc: dict, moe_state: PyTree, num_micro: int) -> tuple:
+  """The accumulators after the last micro-batch -> `loss_fn`'s value-and-grad contract for the
+  whole step: ((total, (ce, aux, mutated)), grads)."""
+  mutated = {"moe_state": moe_state, "moe_stats": combine_stats(acc["stats"], num_micro)}
+  if acc["qk"]:
+    mutated[QK_STATS_COLLECTION] = acc["qk"]
+  return (acc["total"], (acc["ce"], acc["aux"], mutated)), acc["grads"]
+
+
+def combine_stats(summed: PyTree, num_micro: int) -> PyTree:
+  """Per-layer stats summed over micro-batches -> those of the whole step: loads and drop counts
+  stay sums, aux losses become means, MaxVio is recomputed from the summed load."""
+  def fix(layer: dict) -> dict:
+    out = dict(layer)
+    if "aux_loss" in out:
+      out["aux_loss"] = out["aux_loss"] / num_micro
+    if "load" in out and "max_vio" in out:
+      # A scanned layer's load is [G, E] (one row per group): MaxVio of each row.
+      max_vio = jnp.vectorize(moe_layers.max_violation, signature="(e)->()")
+      out["max_vio"] = max_vio(out["load"]).astype(layer["max_vio"].dtype)
+    return out
+
+  def walk(tree):
+    if isinstance(tree, dict) or hasattr(tree, "items"):
+      if "load" in tree or "max_vio" in tree or "aux_loss" in tree:
+        return fix(tree)
+      return {k: walk(v) for k, v in tree.items()}
+    return tree
+
+  return walk(summed)
+
+
+# ------------------------------------------------------------------------------------------------
+# 'scan': one program
+# ------------------------------------------------------------------------------------------------
+
+def accumulate_scan(loss_fn: LossFn, params: PyTree, moe_state: PyTree, batch: dict,
+                    num_micro: int) -> tuple:
+  """Gradient accumulation over `num_micro` micro-batches of `batch` (module docstring) in a
+  `lax.scan` (the activations of one micro-batch are alive at a time), with `loss_fn`'s
+  value-and-grad contract ((total, (ce, aux, mutated)), grads)."""
+  micro = split(batch, num_micro)
+  weights = token_weights(micro)
+  acc = zero_accumulators(loss_fn, params, moe_state, jax.tree.map(lambda x: x[0], micro))
+
+  def body(carry, xs):
+    acc, moe = carry
+    mb, w = xs
+    return add_microbatch(loss_fn, params, moe, mb, w, acc), None
+
+  (acc, new_moe), _ = jax.lax.scan(body, (acc, moe_state), (micro, weights))
+  return finish(acc, new_moe, num_micro)
+
+
+# ------------------------------------------------------------------------------------------------
+# 'host': a loop of programs
+# ------------------------------------------------------------------------------------------------
+
+# apply_update(state, total, ce, aux, mutated, grads) -> (state, metrics): everything a training
+# step does once it has the step's loss and gradients (`k3jax.train.make_train_step`).
+ApplyUpdate = Callable[..., tuple]
+
+
+def _abstract(out_info: PyTree) -> PyTree:
+  """A Lowered's out_info -> ShapeDtypeStructs with plain shardings (to lower the next program)."""
+  def one(o):
+    sharding = o.sharding
+    sharding = getattr(sharding, "sharding", sharding)   # a Format wraps the sharding
+    return jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sharding)
+  return jax.tree.map(one, out_info, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+
+
+def _run(prepare: Callable, microbatch: Callable, update: Callable, state, batch: dict):
+  """The host loop: prepare, one program call per micro-batch, the update."""
+  micro_batches, weights, acc = prepare(state.params, state.moe_state, batch)
+  moe_state = state.moe_state
+  for micro_batch, weight in zip(micro_batches, weights):
+    acc, moe_state = microbatch(state.params, moe_state, micro_batch, weight, acc)
+  # The old balance state goes apart from the donated rest: the last micro-batch's balance state
+  # may be the very same arrays (a model that writes none passes its input through).
+  return update(state.replace(moe_state=None), state.moe_state, acc, moe_state)
+
+
+class HostLoopStep:
+  """The training step `(state, batch) -> (state, metrics)` with micro-batches run as a host loop
+  of jitted programs (module docstring); a batch of one micro-batch runs `whole_step`.
+
+  whole_step: the single-program step (today's `train_step`), for batches of one micro-batch.
+  loss_fn: (params, moe_state, micro-batch) -> (total, (ce, aux, mutated)).
+  apply_update: `ApplyUpdate`.
+  microbatch_rows: (seq_len, batch rows) -> rows per micro-batch (`StagesConfig.microbatch_rows`).
+  state_shardings / batch_shardings / cache_dir / description: as for `make_train_step` and
+    `lowered_cache.cached_jit` (the programs' names and the micro-batch count are added).
+
+  `lower(state, batch).compile()` gives a callable with the same contract whose `programs` maps
+  each program's name to its `jax.stages.Compiled` (memory analysis per program).
+  """
+
+  def __init__(self, whole_step: Callable, loss_fn: LossFn, apply_update: ApplyUpdate,
+               microbatch_rows: Callable[[int, int], int], *, state_shardings: Any,
+               batch_shardings: Any, cache_dir: str, description: str):
+    self._whole_step = whole_step
+    self._loss_fn = loss_fn
+    self._apply_update = apply_update
+    self._microbatch_rows = microbatch_rows
+    self._state_sh = state_shardings
+    self._batch_sh = batch_shardings
+    self._sharded = state_shardings is not None or batch_shardings is not None
+    self._cache_dir = cache_dir
+    self._description = description
+    self._programs: dict = {}
+    st = state_shardings
+    self._params_sh = None if st is None else st.params
+    self._moe_sh = None if st is None else st.moe_state
+    self._acc_sh = {"grads": self._params_sh, "total": None, "ce": None, "aux": None,
+                    "stats": None, "qk": None}
+
+    def train_step_microbatch(params, moe_state, micro_batch, weight, acc):
+      return add_microbatch(loss_fn, params, moe_state, micro_batch, weight, acc)
+
+    self._microbatch = self._jit(
+        train_step_microbatch, donate=(4,),
+        in_sh=(self._params_sh, self._moe_sh, batch_shardings, None, self._acc_sh),
+        out_sh=(self._acc_sh, self._moe_sh), extra="")
+
+  def _jit(self, fun, donate, in_sh, out_sh, extra):
+    kwargs = dict(in_shardings=in_sh, out_shardings=out_sh) if self._sharded else {}
+    return lowered_cache.cached_jit(fun, cache_dir=self._cache_dir, donate_argnums=donate,
+                                    description=f"{self._description}{extra}", **kwargs)
+
+  def _num_micro(self, batch: dict) -> int:
+    rows, seq_len = batch["inputs"].shape
+    return rows // self._microbatch_rows(seq_len, rows)
+
+  def _programs_for(self, num_micro: int) -> tuple[Callable, Callable]:
+    """(prepare, update) for steps of `num_micro` micro-batches (built once per count)."""
+    if num_micro not in self._programs:
+      loss_fn, apply_update = self._loss_fn, self._apply_update
+
+      def train_step_prepare(params, moe_state, batch):
+        micro = split(batch, num_micro)
+        weights = token_weights(micro)
+        micro_batches = tuple(jax.tree.map(lambda x: x[i], micro) for i in range(num_micro))
+        acc = zero_accumulators(loss_fn, params, moe_state, micro_batches[0])
+        return micro_batches, tuple(weights[i] for i in range(num_micro)), acc
+
+      def train_step_update(state, old_moe_state, acc, moe_state):
+        (total, (ce, aux, mutated)), grads = finish(acc, moe_state, num_micro)
+        return apply_update(state.replace(moe_state=old_moe_state), total, ce, aux, mutated,
+                            grads)
+
+      extra = f" microbatch_loop='host' num_micro={num_micro}"
+      st = self._state_sh
+      prepare = self._jit(
+          train_step_prepare, donate=(), extra=extra,
+          in_sh=(self._params_sh, self._moe_sh, self._batch_sh),
+          out_sh=((self._batch_sh,) * num_micro, None, self._acc_sh))
+      update = self._jit(
+          train_step_update, donate=(0,), extra=extra,
+          in_sh=(None if st is None else st.replace(moe_state=None), self._moe_sh, self._acc_sh,
+                 self._moe_sh),
+          out_sh=(st, None))
+      self._programs[num_micro] = (prepare, update)
+    return self._programs[num_micro]
+
+  def __call__(self, state, batch: dict):
+    num_micro = self._num_micro(batch)
+    if num_micro == 1:
+      return self._whole_step(state, batch)
+    prepare, update = self._programs_for(num_micro)
+    return _run(prepare, self._microbatch, update, state, batch)
+
+  def lower(self, state, batch: dict):
+    """The programs lowered for these arguments (arrays or ShapeDtypeStructs): `whole_step`'s
+    Lowered for one micro-batch, else a `HostLoopLowered`."""
+    num_micro = self._num_micro(batch)
+    if num_micro == 1:
+      return self._whole_step.lower(state, batch)
+    prepare, update = self._programs_for(num_micro)
+    prepare_lowered = prepare.lower(state.params, state.moe_state, batch)
+    micro_batches, weights, acc = _abstract(prepare_lowered.out_info)
+    micro_lowered = self._microbatch.lower(state.params, state.moe_state, micro_batches[0],
+                                           weights[0], acc)
+    _, moe_state = _abstract(micro_lowered.out_info)
+    update_lowered = update.lower(state.replace(moe_state=None), state.moe_state, acc, moe_state)
+    return HostLoopLowered({"train_step_prepare": prepare_lowered,
+                            "train_step_microbatch": micro_lowered,
+                            "train_step_update": update_lowered})
+
+
+class HostLoopLowered:
+  """The lowered programs of a `HostLoopStep` for one argument signature; `compile()` gives a
+  `HostLoopCompiled`. programs: {program name: jax.stages.Lowered}."""
+
+  def __init__(self, programs: dict):
+    self.programs = programs
+
+  def compile(self) -> "HostLoopCompiled":
+    return HostLoopCompiled({name: lowered.compile() for name, lowered in self.programs.items()})
+
+
+class HostLoopCompiled:
+  """`(state, batch) -> (state, metrics)` through the compiled programs of a `HostLoopStep`.
+  programs: {'train_step_prepare' | 'train_step_microbatch' | 'train_step_update': Compiled}."""
+
+  def __init__(self, programs: dict):
+    self.programs = programs
+
+  def __call__(self, state, batch: dict):
+    p = self.programs
+    return _run(p["train_step_prepare"], p["train_step_microbatch"], p["train_step_update"],
+                state, batch)

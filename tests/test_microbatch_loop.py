@@ -1,0 +1,146 @@
+"""StagesConfig.microbatch_loop = 'host' (k3jax.microbatch.HostLoopStep) against 'scan'."""
+
+from __future__ import annotations
+
+import contextlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax import config as config_lib
+from k3jax import microbatch as microbatch_lib
+from k3jax import sharding as sharding_lib
+from k3jax import train as train_lib
+from testlib import TINY_RUN_BINDINGS
+
+METRICS = ("loss", "total_loss", "aux_loss", "grad_norm", "lr")
+
+
+def _batches(cfg: config_lib.Config, num: int) -> list[dict]:
+  """`num` stage-0 batches of random tokens with a loss mask of unequal counts per row."""
+  rng = np.random.default_rng(0)
+  rows, seq_len = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
+  out = []
+  for _ in range(num):
+    tokens = rng.integers(1, cfg.model.vocab_size, (rows, seq_len + 1)).astype(np.int32)
+    segments = np.ones((rows, seq_len), np.int32)
+    segments[::2, seq_len // 2:] = 2   # packed rows in every other row
+    out.append({"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments,
+                "loss_mask": (rng.random((rows, seq_len)) > 0.3).astype(np.float32)})
+  return out
+
+
+def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
+         compiled: bool = False):
+  """`steps` training steps with StagesConfig.microbatch_loop = `loop`: (final state, per-step
+  metrics), on host. compiled: the steps run through `step.lower(...).compile()` (train_bench's
+  way) instead of the step itself."""
+  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
+      f"StagesConfig.microbatch_loop = {loop!r}", f"MeshConfig.axes = {mesh_axes!r}"])
+  mesh = train_lib.make_run_mesh(cfg)
+  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10, mesh=mesh)
+  kwargs = {}
+  if mesh is not None:
+    kwargs = dict(state_shardings=jax.tree.map(lambda x: x.sharding, state),
+                  batch_shardings=sharding_lib.batch_sharding(mesh))
+  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
+                                   **kwargs)
+  place = (lambda b: jax.tree.map(jnp.asarray, b)) if mesh is None else \
+      (lambda b: sharding_lib.shard_batch(b, mesh))
+  metrics = []
+  with sharding_lib.with_mesh(mesh) if mesh is not None else contextlib.nullcontext():
+    for batch in _batches(cfg, steps):
+      batch = place(batch)
+      fn = step.lower(state, batch).compile() if compiled else step
+      state, m = fn(state, batch)
+      metrics.append(jax.device_get(m))
+  if mesh is not None:
+    assert jax.tree.map(lambda x: x.sharding, state) == kwargs["state_shardings"]
+  return jax.device_get(state), metrics
+
+
+def _assert_close(actual, expected, what: str, rtol: float = 1e-6):
+  for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(actual), jax.tree.leaves(expected)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    scale = max(float(np.max(np.abs(b))), 1e-30) if b.size else 1.0
+    assert a.shape == b.shape and float(np.max(np.abs(a - b), initial=0.0)) <= rtol * scale, \
+        f"{what}{jax.tree_util.keystr(path)}"
+
+
+def _assert_same_training(host, scan):
+  (state_h, metrics_h), (state_s, metrics_s) = host, scan
+  assert len(metrics_h) == len(metrics_s)
+  for m_h, m_s in zip(metrics_h, metrics_s):
+    for key in METRICS:
+      _assert_close(m_h[key], m_s[key], key)
+    assert jax.tree.structure(m_h["moe_stats"]) == jax.tree.structure(m_s["moe_stats"])
+    _assert_close(m_h["moe_stats"], m_s["moe_stats"], "moe_stats")
+  assert int(state_h.step) == int(state_s.step) == len(metrics_s)
+  for name in ("params", "opt_state", "moe_state", "rng"):
+    assert jax.tree.structure(getattr(state_h, name)) == jax.tree.structure(getattr(state_s, name))
+    _assert_close(getattr(state_h, name), getattr(state_s, name), name)
+
+
+@pytest.mark.parametrize("bindings", [
+    # Quantile Balancing threads its biases through the 2 micro-batches (16 tokens a row, 4 rows).
+    ["StagesConfig.microbatch_tokens = 32"],
+    # 4 micro-batches of one row; aux losses and QK-Clip's max logits accumulate.
+    ["StagesConfig.microbatch_tokens = 16", "ModelConfig.moe_balance = 'aux_loss'",
+     "OptimizerConfig.qk_clip_tau = 2.0"],
+], ids=["2_micro_qb", "4_micro_aux_qkclip"])
+def test_host_loop_equals_scan(bindings):
+  """Two fp32 steps of tiny.gin's model: the host loop of programs gives the scan's losses, grad
+  norms, MoE stats, parameters, optimizer and balance state (<= 1e-6 relative)."""
+  scan = _run("scan", bindings)
+  host = _run("host", bindings)
+  _assert_same_training(host, scan)
+  if any("aux_loss" in b for b in bindings):   # the aux sums are compared, not zeros
+    assert all(float(m["aux_loss"]) > 0 for m in host[1])
+
+
+def test_host_loop_lowered_and_compiled_equals_its_call():
+  """`lower(state, batch).compile()` (what train_bench times) runs the same three programs, named
+  for the 'train_step' dump filter, with the call's results."""
+  bindings = ["StagesConfig.microbatch_tokens = 32"]
+  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
+      "StagesConfig.microbatch_loop = 'host'"])
+  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
+  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
+  assert isinstance(step, microbatch_lib.HostLoopStep)
+  batch = jax.tree.map(jnp.asarray, _batches(cfg, 1)[0])
+  compiled = step.lower(state, batch).compile()
+  assert sorted(compiled.programs) == ["train_step_microbatch", "train_step_prepare",
+                                       "train_step_update"]
+  assert all(c.memory_analysis() is not None for c in compiled.programs.values())
+  _assert_same_training(_run("host", bindings, steps=1, compiled=True),
+                        _run("host", bindings, steps=1))
+
+
+def test_one_microbatch_runs_the_single_program():
+  """With 'host' and a batch of one micro-batch, the step lowers to the one `train_step` program
+  (a plain jax Lowered, not the host loop's)."""
+  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + ["StagesConfig.microbatch_loop = 'host'"])
+  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
+  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
+  lowered = step.lower(state, jax.tree.map(jnp.asarray, _batches(cfg, 1)[0]))
+  assert isinstance(lowered, jax.stages.Lowered)
+  assert "train_step" in lowered.as_text()[:2000]
+
+
+@pytest.mark.slow
+def test_host_loop_equals_scan_on_the_expert_mesh():
+  """On a data:2 x expert:4 mesh of 8 CPU devices (16 rows, 2 micro-batches of 8): the same
+  training as 'scan', and the state keeps its shardings."""
+  bindings = ["StagesConfig.tokens_per_step = 256", "StagesConfig.stages = ((16, 10),)",
+              "StagesConfig.microbatch_tokens = 128"]
+  _assert_same_training(_run("host", bindings, mesh_axes="data:2,expert:4"),
+                        _run("scan", bindings, mesh_axes="data:2,expert:4"))
+
+
+def test_microbatch_loop_config_error():
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"StagesConfig.microbatch_loop = 'python' is not allowed: one of "
+                           r"\('scan', 'host'\)"):
+    config_lib.from_gin([], TINY_RUN_BINDINGS + ["StagesConfig.microbatch_loop = 'python'"])
