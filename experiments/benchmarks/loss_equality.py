@@ -143,12 +143,7 @@ def run_path(name: str, gin_files: list[str], bindings: list[str], host_batches:
   init_s = time.perf_counter() - t0
   step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule)
   batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in host_batches]
-  t0 = time.perf_counter()
-  lowered = step_fn.lower(state, batches[0])
-  trace_lower_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  compiled = lowered.compile()
-  compile_s = time.perf_counter() - t0
+  compiled, trace_lower_s, compile_s = train_bench.lower_and_compile(step_fn, state, batches[0])
   train_bench.emit(event="progress", path=name, init_s=round(init_s, 2),
                    trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
                    since_start_s=round(time.time() - _PROCESS_START, 1))
@@ -165,7 +160,7 @@ def run_path(name: str, gin_files: list[str], bindings: list[str], host_batches:
       losses=losses, grad_norms=grad_norms, lrs=lrs, init_s=round(init_s, 2),
       trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
       steps_s=round(steps_s, 2))
-  del state, compiled, lowered, step_fn, batches, m
+  del state, compiled, step_fn, batches, m
   gc.collect()
   return row
 

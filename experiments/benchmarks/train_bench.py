@@ -214,6 +214,17 @@ def scope_kernel_times(logdir: str, dump_dir: str, steps: int, model_cfg, seq_le
           "top_scopes": [[k, ms(ns)] for k, ns in by_scope.most_common(top)]}
 
 
+def lower_and_compile(step_fn, state, batch) -> tuple:
+  """(compiled step, seconds to trace and lower it, seconds to compile it) for `make_train_step`'s
+  step on (state, batch)."""
+  t0 = time.perf_counter()
+  lowered = step_fn.lower(state, batch)
+  trace_lower_s = time.perf_counter() - t0
+  t0 = time.perf_counter()
+  compiled = lowered.compile()
+  return compiled, trace_lower_s, time.perf_counter() - t0
+
+
 def run_case(case: dict, args, process_start: float) -> dict:
   """Runs one case in this process; returns its result row (progress lines are emitted)."""
   from k3jax import compiler
@@ -254,12 +265,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
   batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in host]
   docs = float(np.mean([b["segment_ids"].max(axis=1).mean() for b in host]))
 
-  t0 = time.perf_counter()
-  lowered = step_fn.lower(state, batches[0])
-  trace_lower_s = time.perf_counter() - t0
-  t0 = time.perf_counter()
-  compiled = lowered.compile()
-  compile_s = time.perf_counter() - t0
+  compiled, trace_lower_s, compile_s = lower_and_compile(step_fn, state, batches[0])
   if startup_trace:
     jax.profiler.stop_trace()
     emit(event="startup_profile", case=name, logdir=startup_trace,
