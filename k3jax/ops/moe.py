@@ -201,7 +201,17 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                      f"{group_sizes.shape} do not fit ([M, l], [E, l, f], [E])")
   out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
   lhs, rhs = _common_varying(lhs, rhs.astype(lhs.dtype))
-  return _tokamax_grouped(lhs, rhs, group_sizes.astype(jnp.int32), out_dtype, implementation)
+  return _tokamax_grouped_shared(lhs, rhs, group_sizes.astype(jnp.int32), out_dtype,
+                                 implementation)
+
+
+@functools.partial(jax.jit, static_argnums=(3, 4))
+def _tokamax_grouped_shared(lhs, rhs, group_sizes, out_dtype, implementation):
+  """`_tokamax_grouped` as one jitted function: its call sites of equal shapes (the MoE layers of
+  the scanned group and of the unrolled suffix) share one traced jaxpr, so JAX lowers each kernel
+  (forward, dlhs, drhs) once per shape instead of once per layer. Lowering a Mosaic GPU kernel
+  is Python work of about a second; XLA inlines the calls, the compiled step is the same."""
+  return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation)
 
 
 def _common_varying(*arrays: jax.Array) -> list[jax.Array]:

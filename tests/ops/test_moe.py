@@ -394,3 +394,21 @@ def test_hlo_ops_finds_the_scatter_of_autodiffs_gather():
   idx = jnp.asarray([4, 0, 0, 2])
   text = jax.jit(jax.grad(lambda z: jnp.sum(z[idx] ** 2))).lower(z).compile().as_text()
   assert _hlo_ops(text, "scatter")
+
+
+def test_tokamax_grouped_matmul_is_lowered_once_per_shape():
+  # Four MoE layers of one shape (as in the scanned group and the suffix) share one lowering of
+  # the grouped matmul and of its two backward matmuls: on the GPU each lowering of a Mosaic
+  # kernel is about a second of start-up.
+  def layers(n):
+    def f(lhs, w, gs):
+      x = lhs
+      for _ in range(n):
+        x = jnp.tanh(moe.tokamax_ragged_dot(x, w, gs, implementation="xla"))
+      return jnp.sum(x)
+    return f
+  lhs, w = jnp.ones((16, 8)), jnp.ones((4, 8, 8))
+  gs = jnp.array([4, 4, 4, 4], jnp.int32)
+  dots = lambda n: jax.jit(jax.grad(layers(n), argnums=(0, 1))).lower(lhs, w, gs).as_text() \
+      .count("stablehlo.dot_general")
+  assert dots(4) == dots(1) == 3      # forward, dlhs, drhs: once each
