@@ -15,9 +15,7 @@ train_bench.random_rows; batch i is seed i) once per path:
               'tokamax' up to AUTO_TOKAMAX_MAX_T = 16384 tokens per row, the Pallas backward
               above) and tokamax's Mosaic grouped matmul.
   pallas_bwd  'auto' MoE with `attention_impl = 'tokamax_pallas_bwd'`: tokamax's forward and
-              k3jax's Pallas backward, which 'auto' uses only above 16K-token rows (GPU only;
-              its state is initialised through 'xla', the initialisation tracing rows without
-              the segment ids that this implementation requires).
+              k3jax's Pallas backward, which 'auto' uses only above 16K-token rows (GPU only).
 
 Both 'auto' choices fall back to XLA on CPU: there 'old' and 'new' compile the same program and
 their losses are equal to the bit. The KDA backend is the config's own ('auto') on every path.
@@ -41,7 +39,6 @@ GPU (one H200; two cold compiles of small.gin's step, ~100-150 s each):
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import math
 import os
@@ -121,24 +118,13 @@ def run_path(name: str, gin_files: list[str], bindings: list[str], host_batches:
   import jax
   import jax.numpy as jnp
 
-  from k3jax import config as config_lib
   from k3jax import train as train_lib
   from k3jax.model import K3Model
 
-  cfg = train_lib.config_from_flags(gin_files, bindings)
-  # The model config the training loop uses at this row length (StagesConfig.remat per stage).
-  stage_lens = [length for length, _ in cfg.stages.stages]
-  stage = stage_lens.index(seq_len) if seq_len in stage_lens else 0
-  mcfg = config_lib.stage_model_config(cfg, stage)
-  cfg = dataclasses.replace(cfg, model=mcfg)
-  # The initialisation traces the model on rows without segment ids, which the document-only
-  # attention implementations refuse; the parameters do not depend on the attention
-  # implementation, so those paths start from the state that 'xla' initialises.
-  init_cfg = cfg
-  if mcfg.attention_impl in ("tokamax_pallas_bwd", "pallas"):
-    init_cfg = dataclasses.replace(cfg, model=dataclasses.replace(mcfg, attention_impl="xla"))
+  cfg = train_bench.config_at_length(train_lib.config_from_flags(gin_files, bindings), seq_len)
+  mcfg = cfg.model
   t0 = time.perf_counter()
-  state, optimizer, schedule = train_lib.init_train_state(init_cfg, cfg.stages.total_steps)
+  state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
   step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule)

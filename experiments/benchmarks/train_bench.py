@@ -214,6 +214,15 @@ def scope_kernel_times(logdir: str, dump_dir: str, steps: int, model_cfg, seq_le
           "top_scopes": [[k, ms(ns)] for k, ns in by_scope.most_common(top)]}
 
 
+def config_at_length(cfg, seq_len: int):
+  """`cfg` with the model config the training loop uses at rows of `seq_len` tokens: that of the
+  stage of this length (StagesConfig.remat per stage), stage 0's for a length no stage has."""
+  from k3jax import config as config_lib
+  stage_lens = [length for length, _ in cfg.stages.stages]
+  stage = stage_lens.index(seq_len) if seq_len in stage_lens else 0
+  return dataclasses.replace(cfg, model=config_lib.stage_model_config(cfg, stage))
+
+
 def lower_and_compile(step_fn, state, batch) -> tuple:
   """(compiled step, seconds to trace and lower it, seconds to compile it) for `make_train_step`'s
   step on (state, batch)."""
@@ -232,20 +241,16 @@ def run_case(case: dict, args, process_start: float) -> dict:
   import jax
   import jax.numpy as jnp
 
-  from k3jax import config as config_lib
   from k3jax import flops as flops_lib
   from k3jax import train as train_lib
   from k3jax.model import K3Model
 
   name = case["name"]
   entries_before = _cache_entries(args.cache_dir)
-  cfg = train_lib.config_from_flags(case["gin_files"], args.gin_bindings)
   batch, seq_len = case["batch"], case["seq_len"]
-  # The model config the training loop uses at this row length (StagesConfig.remat per stage).
-  stage_lens = [length for length, _ in cfg.stages.stages]
-  stage = stage_lens.index(seq_len) if seq_len in stage_lens else 0
-  mcfg = config_lib.stage_model_config(cfg, stage)
-  cfg = dataclasses.replace(cfg, model=mcfg)
+  cfg = config_at_length(train_lib.config_from_flags(case["gin_files"], args.gin_bindings),
+                         seq_len)
+  mcfg = cfg.model
   startup_trace = None
   if args.profile_startup:
     startup_trace = os.path.join(args.profile_startup, f"{name}_run{args.run}_startup")
