@@ -245,19 +245,25 @@ class _LeafSpec:
 # Entries
 # ------------------------------------------------------------------------------------------------
 
-def _write_entry(path: str, header: dict, payload: bytes) -> None:
-  head = json.dumps(header, sort_keys=True).encode()
+def _atomic_write(path: str, data: bytes) -> None:
+  """Writes `data` to `path` through a temporary file in its folder (created if needed) and a
+  rename: a concurrent reader sees the old file or the whole new one, never half of it."""
   folder = os.path.dirname(path)
   os.makedirs(folder, exist_ok=True)
-  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=ENTRY_SUFFIX)
+  fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=os.path.basename(path))
   try:
     with os.fdopen(fd, "wb") as f:
-      f.write(_MAGIC + len(head).to_bytes(8, "big") + head + payload)
-    os.replace(tmp, path)  # atomic: a concurrent reader sees the old entry or the whole new one
+      f.write(data)
+    os.replace(tmp, path)
   except BaseException:
     if os.path.exists(tmp):
       os.remove(tmp)
     raise
+
+
+def _write_entry(path: str, header: dict, payload: bytes) -> None:
+  head = json.dumps(header, sort_keys=True).encode()
+  _atomic_write(path, _MAGIC + len(head).to_bytes(8, "big") + head + payload)
 
 
 def _read_entry(path: str, key_json: str) -> tuple[Any, jax.tree_util.PyTreeDef]:
@@ -551,11 +557,7 @@ def cached_abstract(cache_dir: str, description: str, compute: Callable[[], Any]
     _log.warning("lowered cache: %s not cached: %s", description[:80], e)
     return tree
   try:
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-", suffix=ABSTRACT_SUFFIX)
-    with os.fdopen(fd, "w") as f:
-      f.write(text)
-    os.replace(tmp, path)  # atomic, as for the program entries
+    _atomic_write(path, text.encode())
   except OSError as e:
     _log.warning("lowered cache: cannot write %s (%s)", path, e)
   return tree
