@@ -54,8 +54,8 @@ from k3jax.layers.attnres import DepthMix
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import GatedMLA
-from k3jax.layers.remat import OrderedRemat
 from k3jax.layers.moe import LatentMoE
+from k3jax.layers.remat import OrderedRemat
 
 # Logical name of the stacked (per-group) axis of scanned variables; replicated by the rule table.
 LAYERS_AXIS = "layers"

@@ -502,8 +502,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   mesh = make_run_mesh(cfg)
   state, optimizer, schedule = init_train_state(cfg, total_steps, mesh, lowered_cache_dir)
   step_kwargs = dict(lowered_cache_dir=lowered_cache_dir, total_steps=total_steps)
+  state_sh = jax.tree.map(lambda x: x.sharding, state)   # where the fresh state was placed
   if mesh is not None:
-    state_sh = jax.tree.map(lambda x: x.sharding, state)
     step_kwargs.update(state_shardings=state_sh,
                        batch_shardings=sharding_lib.batch_sharding(mesh))
   # One jitted step per distinct stage model config (StagesConfig.remat); each stage's batch shape
@@ -547,13 +547,12 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
     if restored["meta"]["data_position"] != start:
       raise ValueError(f"checkpoint {start}: data_position {restored['meta']['data_position']} "
                        "!= step")
-    fresh_sh = jax.tree.map(lambda x: x.sharding, state)
     state = TrainState(step=jnp.asarray(start, jnp.int32), params=restored["params"],
                        opt_state=restored["opt_state"], moe_state=restored["moe_state"],
                        rng=restored["rng"])
     # Every leaf where the fresh state had it (the step counter too): arguments placed otherwise
     # than at the first launch would make the resumed step compile again (~100 s on the GPU).
-    state = jax.device_put(state, fresh_sh)
+    state = jax.device_put(state, state_sh)
     print(f"resuming from step {start} (stage {scfg.stage_at(max(start - 1, 0))})")
   write_config(workdir, cfg)
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start, tensorboard=tensorboard)
