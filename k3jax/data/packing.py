@@ -47,14 +47,19 @@ def make_batch(window: np.ndarray, seq_len: int, bos_id: int) -> dict:
           "loss_mask": (targets != bos_id).astype(np.float32)}
 
 
+def _source_text(data_cfg) -> str:
+  """' of DataConfig.source = ..., path = ...' naming a split's data in a message ('' without)."""
+  if data_cfg is None:
+    return ""
+  return f" of DataConfig.source = {data_cfg.source!r}, path = {data_cfg.path!r}"
+
+
 def check_train_size(num_tokens: int, tokens_per_step: int, data_cfg=None) -> None:
   """ValueError naming the settings when a train stream of `num_tokens` cannot fill one step
   (tokens_per_step tokens plus one lookahead token). data_cfg (a DataConfig) names the source."""
   if num_tokens >= tokens_per_step + 1:
     return
-  source = "" if data_cfg is None else \
-      f" of DataConfig.source = {data_cfg.source!r}, path = {data_cfg.path!r}"
-  raise ValueError(f"the train split{source} has {num_tokens} tokens, fewer than one step needs "
+  raise ValueError(f"the train split{_source_text(data_cfg)} has {num_tokens} tokens, fewer than one step needs "
                    f"(StagesConfig.tokens_per_step = {tokens_per_step}, plus one lookahead "
                    "token); use more data or lower StagesConfig.tokens_per_step")
 
@@ -68,15 +73,13 @@ def check_validation_size(num_tokens: int, longest_seq_len: int, data_cfg=None,
   that would do."""
   if num_tokens >= longest_seq_len + 1:
     return
-  source = "" if data_cfg is None else \
-      f" of DataConfig.source = {data_cfg.source!r}, path = {data_cfg.path!r}"
   hint = "raise DataConfig.validation_fraction or use more data"
   if data_cfg is not None and total_tokens > 0:
     # Documents are assigned whole: ask for a margin over the exact fraction.
     need = min(0.49, 1.25 * (longest_seq_len + 1) / total_tokens)
     hint = (f"raise DataConfig.validation_fraction (now {data_cfg.validation_fraction}) to about "
             f"{need:.2f}, or use more data" if need > data_cfg.validation_fraction else hint)
-  raise ValueError(f"the validation split{source} has {num_tokens} tokens, fewer than one "
+  raise ValueError(f"the validation split{_source_text(data_cfg)} has {num_tokens} tokens, fewer than one "
                    f"evaluation row of the longest stage needs ({longest_seq_len} tokens, plus "
                    f"one lookahead token); {hint}")
 
