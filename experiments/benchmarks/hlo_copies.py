@@ -44,12 +44,13 @@ import math
 import os
 import re
 
+import hlo_memory
+
 _COMPUTATION = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\{\s*$")
 _INSTRUCTION_HEAD = re.compile(r"^\s+(ROOT )?%?([\w.\-]+) = ")
 _COMMENT = re.compile(r"/\*.*?\*/")
 _OPCODE = re.compile(r"\s*([\w\-]+)\(")
 _OPERAND = re.compile(r"%([\w.\-]+)(?:#(\d+))?")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
 _CALLED = re.compile(r"\b(calls|body|condition|to_apply|true_computation|false_computation)="
                      r"%?([\w.\-]+)")
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
@@ -160,7 +161,7 @@ def parse_instruction(line: str) -> Instruction | None:
   called = _CALLED.findall(attrs)
   for branches in _BRANCHES.findall(attrs):
     called += [("branch", b.strip().lstrip("%")) for b in branches.split(",") if b.strip()]
-  op_name = _OP_NAME.search(attrs)
+  op_name = hlo_memory.OP_NAME.search(attrs)
   trip = _TRIP_COUNT.search(attrs)
   return Instruction(head.group(2), shape, opcode.group(1), operands, called,
                      op_name.group(1) if op_name else "", int(trip.group(1)) if trip else None,

@@ -22,7 +22,8 @@ import re
 _PEAK_HEADER = re.compile(r"^\s*Live ranges at (\d+) \(peak\):\s*$")
 _PEAK_LINE = re.compile(r"^\s+(\S+?)\{[^}]*\}: (\d+) bytes")
 _INSTRUCTION = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\S+?(?:\[[^\]]*\])?(?:\{[^}]*\})?|\([^=]*?\)) ")
-_OP_NAME = re.compile(r'op_name="([^"]*)"')
+# The JAX source of an HLO instruction (its metadata); hlo_copies.py reads it the same way.
+OP_NAME = re.compile(r'op_name="([^"]*)"')
 # Wrappers JAX puts around an op's name under transformations: jvp(...), transpose(...), etc.
 _TRANSFORM = re.compile(r"\b(?:jvp|transpose|vmap|checkpoint|remat|custom_jvp_call|"
                         r"custom_vjp_call|closed_call|core_call)\(([^()]*)\)")
@@ -64,7 +65,7 @@ def instruction_info(hlo_text: str) -> dict[str, tuple[str, str]]:
   for line in hlo_text.splitlines():
     m = _INSTRUCTION.match(line)
     if m:
-      op = _OP_NAME.search(line)
+      op = OP_NAME.search(line)
       info[m.group(1)] = (m.group(2), op.group(1) if op else "")
   return info
 
