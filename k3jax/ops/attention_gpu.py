@@ -117,7 +117,7 @@ def _tokamax_forward_lse(q, k, v, segment_ids, *, scale: float, causal: bool):
 
 def default_flash_config(interpret: bool = False) -> FlashConfig:
   """Block sizes for `pallas_attention`: the fastest of four measured on an H200 for the
-  backward at MLA's head dims (q/k 192 padded to 256, v 128), T = 65536 with 8 documents:
+  backward at MLA's head dims (q/k 192, then padded to 256, v 128), T = 65536 with 8 documents:
   dq over 128-query × 32-key tiles, dk/dv over 128-key × 32-query tiles, 8 warps, 2 stages
   (18.6 ms forward+backward with tokamax's forward, against 19.5–28.0 for the others; RESULTS.md,
   run 9)."""

@@ -8,9 +8,13 @@ not a whole causal pass. The per-element mask inside a block always comes from k
 the query ranges only need to cover every query that sees the key (a superset is correct, only
 slower).
 
-Inputs arrive padded by `ops.py`: sequence lengths to whole blocks, head dims to powers of two
-(Triton's tiles), padded queries with an empty range (k_lo = S, k_hi = 0) and padded keys with
-q_lo = T, q_hi = 0 so that they widen no block's loop.
+Inputs arrive padded by `ops.py`: sequence lengths to whole blocks, the q/k head dim D to a
+multiple of 16 and the value dim to a power of two, padded queries with an empty range (k_lo = S,
+k_hi = 0) and padded keys with q_lo = T, q_hi = 0 so that they widen no block's loop. Triton's
+tiles are powers of two, so the kernels read and write q, k, dq and dk as pieces of D whose sizes
+are powers of two (`head_pieces`: MLA's 192 is 128 + 64) and sum the pieces' q·kᵀ products:
+padding 192 to 256 instead would cost a third more q/k memory and QKᵀ work (at 1M tokens, four
+more 0.75 GiB arrays in the backward).
 
 Layouts: q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv], out/dout [B, T, H, Dv], lse/delta
 [B, H, T] fp32, k_lo/k_hi [B, T] int32, q_lo/q_hi [B, S] int32; H = Hk · G, query head h reads key
@@ -55,6 +59,18 @@ class FlashConfig:
         raise ValueError(f"FlashConfig.{name} must be a power of two, got {value}")
 
 
+def head_pieces(d: int) -> tuple[tuple[int, int], ...]:
+  """(offset, size) pieces of a head dim d (a multiple of 16), sizes powers of two, largest first."""
+  if d % 16:
+    raise ValueError(f"head dim {d} must be a multiple of 16 (ops.py pads it)")
+  pieces, offset = [], 0
+  for bit in reversed(range(d.bit_length())):
+    if d & (1 << bit):
+      pieces.append((offset, 1 << bit))
+      offset += 1 << bit
+  return tuple(pieces)
+
+
 def _params(cfg: FlashConfig, launch) -> dict:
   if cfg.interpret:
     return {}
@@ -84,20 +100,34 @@ def _block_span(lo, hi, block: int):
   return first, jnp.maximum(first, last)
 
 
-def _fwd_kernel(scale, bk, q_ref, k_ref, v_ref, klo_ref, khi_ref, o_ref, lse_ref):
-  q = q_ref[...]
+def _load_pieces(ref, rows, pieces, *lead):
+  """ref[rows, *lead, piece] for each head-dim piece: the pieces of one [rows, D] tile."""
+  return [ref[(rows, *lead, pl.ds(off, size))] for off, size in pieces]
+
+
+def _dot_t_pieces(a_pieces, b_pieces):
+  """Σ over head-dim pieces of a_piece · b_pieceᵀ ([m, n] fp32): a · bᵀ over the whole D."""
+  out = None
+  for a, b in zip(a_pieces, b_pieces):
+    part = _dot_t(a, b)
+    out = part if out is None else out + part
+  return out
+
+
+def _fwd_kernel(scale, bk, pieces, q_ref, k_ref, v_ref, klo_ref, khi_ref, o_ref, lse_ref):
+  q = _load_pieces(q_ref, slice(None), pieces)
   klo, khi = klo_ref[...], khi_ref[...]
-  bq = q.shape[0]
+  bq = q[0].shape[0]
   first, last = _block_span(klo, khi, bk)
 
   def step(j, carry):
     m, l, acc = carry
     start = pl.multiple_of(j * bk, bk)
-    kb = k_ref[pl.ds(start, bk), :]
     vb = v_ref[pl.ds(start, bk), :]
     cols = start + _iota((bq, bk), 1)
     seen = (cols >= klo[:, None]) & (cols < khi[:, None])
-    s = jnp.where(seen, _dot_t(q, kb) * scale, -jnp.inf)
+    kb = _load_pieces(k_ref, pl.ds(start, bk), pieces)
+    s = jnp.where(seen, _dot_t_pieces(q, kb) * scale, -jnp.inf)
     m_new = jnp.maximum(m, jnp.max(s, axis=1))
     m_safe = jnp.where(m_new == -jnp.inf, 0.0, m_new)  # nothing seen yet: avoid inf - inf
     p = jnp.exp(s - m_safe[:, None])
@@ -114,32 +144,37 @@ def _fwd_kernel(scale, bk, q_ref, k_ref, v_ref, klo_ref, khi_ref, o_ref, lse_ref
   lse_ref[...] = jnp.where(seen, m + jnp.log(l_safe), jnp.inf)
 
 
-def _dq_kernel(scale, bk, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref, khi_ref,
-               dq_ref):
-  q, do = q_ref[...], do_ref[...]
+def _dq_kernel(scale, bk, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref,
+               khi_ref, dq_ref):
+  q = _load_pieces(q_ref, slice(None), pieces)
+  do = do_ref[...]
   lse, delta = lse_ref[...], delta_ref[...]
   klo, khi = klo_ref[...], khi_ref[...]
-  bq = q.shape[0]
+  bq = do.shape[0]
   first, last = _block_span(klo, khi, bk)
 
   def step(j, dq):
     start = pl.multiple_of(j * bk, bk)
-    kb = k_ref[pl.ds(start, bk), :]
-    vb = v_ref[pl.ds(start, bk), :]
+    rows = pl.ds(start, bk)
+    kb = _load_pieces(k_ref, rows, pieces)
+    vb = v_ref[rows, :]
     cols = start + _iota((bq, bk), 1)
     seen = (cols >= klo[:, None]) & (cols < khi[:, None])
-    p = jnp.where(seen, jnp.exp(_dot_t(q, kb) * scale - lse[:, None]), 0.0)
-    ds = p * (_dot_t(do, vb) - delta[:, None])
-    return dq + _dot(ds.astype(kb.dtype), kb)
+    p = jnp.where(seen, jnp.exp(_dot_t_pieces(q, kb) * scale - lse[:, None]), 0.0)
+    ds = (p * (_dot_t(do, vb) - delta[:, None])).astype(vb.dtype)
+    return tuple(acc + _dot(ds, kp) for acc, kp in zip(dq, kb))
 
-  dq = lax.fori_loop(first, last, step, jnp.zeros(q.shape, jnp.float32))
-  dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+  dq = lax.fori_loop(first, last, step,
+                     tuple(jnp.zeros((bq, size), jnp.float32) for _, size in pieces))
+  for acc, (off, size) in zip(dq, pieces):
+    dq_ref[:, pl.ds(off, size)] = (acc * scale).astype(dq_ref.dtype)
 
 
-def _dkv_kernel(scale, bq, groups, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, klo_ref,
-                khi_ref, qlo_ref, qhi_ref, dk_ref, dv_ref):
-  kb, vb = k_ref[...], v_ref[...]
-  bk = kb.shape[0]
+def _dkv_kernel(scale, bq, groups, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                klo_ref, khi_ref, qlo_ref, qhi_ref, dk_ref, dv_ref):
+  kb = _load_pieces(k_ref, slice(None), pieces)
+  vb = v_ref[...]
+  bk = vb.shape[0]
   key0 = pl.program_id(2) * bk
   first, last = _block_span(qlo_ref[...], qhi_ref[...], bq)
   rows = key0 + _iota((bk, bq), 0)
@@ -147,23 +182,25 @@ def _dkv_kernel(scale, bq, groups, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_r
   def step(i, carry, g):
     dk, dv = carry
     start = pl.multiple_of(i * bq, bq)
-    qb = q_ref[pl.ds(start, bq), g, :]
+    qb = _load_pieces(q_ref, pl.ds(start, bq), pieces, g)
     dob = do_ref[pl.ds(start, bq), g, :]
     lse = lse_ref[g, pl.ds(start, bq)]
     delta = delta_ref[g, pl.ds(start, bq)]
     klo = klo_ref[pl.ds(start, bq)]
     khi = khi_ref[pl.ds(start, bq)]
     seen = (rows >= klo[None, :]) & (rows < khi[None, :])
-    p = jnp.where(seen, jnp.exp(_dot_t(kb, qb) * scale - lse[None, :]), 0.0)  # [bk, bq]
+    p = jnp.where(seen, jnp.exp(_dot_t_pieces(kb, qb) * scale - lse[None, :]), 0.0)  # [bk, bq]
     dv = dv + _dot(p.astype(dob.dtype), dob)
-    ds = p * (_dot_t(vb, dob) - delta[None, :])
-    return dk + _dot(ds.astype(qb.dtype), qb), dv
+    ds = (p * (_dot_t(vb, dob) - delta[None, :])).astype(dob.dtype)
+    return tuple(acc + _dot(ds, qp) for acc, qp in zip(dk, qb)), dv
 
-  carry = (jnp.zeros(kb.shape, jnp.float32), jnp.zeros(vb.shape, jnp.float32))
+  carry = (tuple(jnp.zeros((bk, size), jnp.float32) for _, size in pieces),
+           jnp.zeros(vb.shape, jnp.float32))
   for g in range(groups):  # the query heads that share this key head, one after the other
     carry = lax.fori_loop(first, last, functools.partial(step, g=g), carry)
   dk, dv = carry
-  dk_ref[...] = (dk * scale).astype(dk_ref.dtype)
+  for acc, (off, size) in zip(dk, pieces):
+    dk_ref[:, pl.ds(off, size)] = (acc * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
@@ -173,7 +210,7 @@ def flash_fwd(q, k, v, k_lo, k_hi, *, scale: float, cfg: FlashConfig):
   s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   g, bq, bk = h // hk, cfg.block_q, cfg.block_k
   return pl.pallas_call(
-      functools.partial(_fwd_kernel, scale, bk),
+      functools.partial(_fwd_kernel, scale, bk, head_pieces(d)),
       grid=(b, h, t // bq),
       in_specs=[
           pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
@@ -200,7 +237,7 @@ def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float
   g = h // hk
   bq, bk = cfg.block_q, cfg.block_k
   dq = pl.pallas_call(
-      functools.partial(_dq_kernel, scale, bk),
+      functools.partial(_dq_kernel, scale, bk, head_pieces(d)),
       grid=(b, h, t // bq),
       in_specs=[
           pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
@@ -219,7 +256,7 @@ def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float
 
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   dk, dv_ = pl.pallas_call(
-      functools.partial(_dkv_kernel, scale, bq, g),
+      functools.partial(_dkv_kernel, scale, bq, g, head_pieces(d)),
       grid=(b, hk, s // bk),
       in_specs=[
           pl.BlockSpec((None, t, g, d), lambda bi, hi, ki: (bi, 0, hi, 0)),

@@ -46,7 +46,8 @@ def _padded_lengths(t: int, s: int, cfg: fk.FlashConfig) -> tuple[int, int]:
 def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg):
   t, s = q.shape[1], k.shape[1]
   tp, sp = _padded_lengths(t, s, cfg)
-  dp, dvp = _pow2(q.shape[-1]), _pow2(v.shape[-1])
+  # q/k: a multiple of 16, read in power-of-two pieces by the kernels; v: one power-of-two tile.
+  dp, dvp = _round_up(q.shape[-1], 16), _pow2(v.shape[-1])
   q = _pad(_pad(q, 1, tp), 3, dp)
   k = _pad(_pad(k, 1, sp), 3, dp)
   v = _pad(_pad(v, 1, sp), 3, dvp)

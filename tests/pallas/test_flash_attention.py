@@ -10,6 +10,7 @@ import pytest
 
 from k3jax.ops import attention_gpu
 from pallas_kernels.flash_attention import FlashConfig, flash_attention, reference_attention
+from pallas_kernels.flash_attention.kernels import head_pieces
 from testlib import error_ratio
 
 # Small tiles so that short rows span several blocks of both kernels' loops.
@@ -33,6 +34,29 @@ def test_matches_reference_with_grads(hk, causal):
   ranges = attention_gpu.key_ranges(jnp.asarray(SEG), causal)
   run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=0.3, config=CFG)
   ref = lambda q, k, v: reference_attention(q, k, v, ranges[0], ranges[1], scale=0.3)
+  out, vjp = jax.vjp(run, q, k, v)
+  want, vjp_ref = jax.vjp(ref, q, k, v)
+  assert error_ratio(out, want) < 1e-5
+  for name, got, exp in zip("qkv", vjp(do), vjp_ref(do)):
+    assert error_ratio(got, exp) < 1e-5, name
+
+
+def test_head_pieces_are_powers_of_two_that_tile_the_head_dim():
+  assert head_pieces(192) == ((0, 128), (128, 64))
+  assert head_pieces(128) == ((0, 128),)
+  assert head_pieces(112) == ((0, 64), (64, 32), (96, 16))
+  with pytest.raises(ValueError, match="multiple of 16"):
+    head_pieces(24)
+
+
+@pytest.mark.parametrize("d", [48, 112])
+def test_head_dim_in_pieces_matches_reference(d):
+  """q/k head dims that are no power of two (MLA's is 192 = 128 + 64) are read in power-of-two
+  pieces, not padded: two and three pieces, GQA, a causal packed row with padding."""
+  q, k, v, do = _inputs(2, 100, 4, 2, d, 16, seed=4)
+  ranges = attention_gpu.key_ranges(jnp.asarray(SEG), True)
+  run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=d ** -0.5, config=CFG)
+  ref = lambda q, k, v: reference_attention(q, k, v, ranges[0], ranges[1], scale=d ** -0.5)
   out, vjp = jax.vjp(run, q, k, v)
   want, vjp_ref = jax.vjp(ref, q, k, v)
   assert error_ratio(out, want) < 1e-5
