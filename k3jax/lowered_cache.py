@@ -266,8 +266,27 @@ def _write_entry(path: str, header: dict, payload: bytes) -> None:
   _atomic_write(path, _MAGIC + len(head).to_bytes(8, "big") + head + payload)
 
 
+# Custom-call targets whose host runtime only an import sets up, with that import. A program read
+# from the cache never traced the code that would have imported it. Mosaic GPU's custom call
+# finds its runtime library (TMA descriptors, ...) through MOSAIC_GPU_RUNTIME_LIB_PATH, which
+# `jax.experimental.mosaic.gpu` sets on import: without it a warm launch on the H200 failed with
+# "Failed to lookup host symbol: ... ragged_dot_sm90_mosaic_gpu" (RESULTS.md, run 12).
+KERNEL_RUNTIMES = (("mosaic_gpu", "jax.experimental.mosaic.gpu"),)
+
+
+def load_kernel_runtimes(targets: Sequence[str]) -> list[str]:
+  """Imports the runtime module of every custom-call target in `targets` (`KERNEL_RUNTIMES`, by
+  name prefix); returns the modules imported (already imported ones included)."""
+  modules = [module for prefix, module in KERNEL_RUNTIMES
+             if any(t.startswith(prefix) for t in targets)]
+  for module in modules:
+    importlib.import_module(module)
+  return modules
+
+
 def _read_entry(path: str, key_json: str) -> tuple[Any, jax.tree_util.PyTreeDef]:
-  """(Exported, output treedef) of the entry at `path`; raises on anything wrong with it."""
+  """(Exported, output treedef) of the entry at `path`, with the runtimes of its kernels loaded
+  (`load_kernel_runtimes`); raises on anything wrong with it."""
   with open(path, "rb") as f:
     data = f.read()
   if not data.startswith(_MAGIC):
@@ -287,6 +306,7 @@ def _read_entry(path: str, key_json: str) -> tuple[Any, jax.tree_util.PyTreeDef]
   if out_tree.num_leaves != len(exported.out_avals):
     raise ValueError(f"output tree of {out_tree.num_leaves} leaves for "
                      f"{len(exported.out_avals)} outputs")
+  load_kernel_runtimes(header.get("custom_call_targets", []))
   return exported, out_tree
 
 

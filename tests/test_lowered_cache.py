@@ -213,6 +213,26 @@ def test_custom_call_targets_outside_exports_stable_list_are_allowed(tmp_path):
   assert "k3jax_test_not_a_stable_target" in entry_header(tmp_path / name)["custom_call_targets"]
 
 
+def test_a_hit_loads_the_runtime_of_its_kernels(tmp_path, monkeypatch):
+  """A program read from the cache imports the module that sets up its custom calls' runtime (a
+  warm launch traces nothing that would import it: Mosaic GPU's failed on the H200 without it);
+  a miss traced the kernel code, and a program without such targets imports nothing."""
+  def with_kernel(x):
+    out = jax.ffi.ffi_call("mosaic_gpu_v2_k3jax_test", jax.ShapeDtypeStruct(x.shape, x.dtype))
+    return out(x) + 1
+
+  imported = []
+  real_import = lowered_cache.importlib.import_module
+  monkeypatch.setattr(lowered_cache.importlib, "import_module",
+                      lambda name: imported.append(name) or real_import("json"))
+  x = jax.ShapeDtypeStruct((4,), jnp.float32)
+  lowered_cache.cached_jit(with_kernel, cache_dir=str(tmp_path), description="kernel").lower(x)
+  assert imported == []
+  lowered_cache.cached_jit(with_kernel, cache_dir=str(tmp_path), description="kernel").lower(x)
+  assert imported == ["jax.experimental.mosaic.gpu"]
+  assert lowered_cache.load_kernel_runtimes(["cu_threefry2x32", "triton_kernel_call"]) == []
+
+
 def test_output_tree_that_cannot_be_described_runs_uncached_with_a_warning(tmp_path, caplog):
   @struct.dataclass
   class LocalOut:  # defined in a function: cannot be imported by name on a later launch
