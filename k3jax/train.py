@@ -371,18 +371,9 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
       cache_dir=lowered_cache_dir, description=description)
 
 
-def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Mesh] = None,
-                     lowered_cache_dir: str = ""
-                     ) -> tuple[TrainState, optax.GradientTransformation, optax.Schedule]:
-  """Fresh state (params, optimizer state, balance biases, rng) and the optimizer.
-
-  One compiled computation builds the whole state. With a mesh it is compiled with the state's
-  shardings (`sharding.state_shardings`) as out_shardings: each device computes only its own
-  shard of the parameters and moments (the routed experts of its expert group), so no device
-  ever holds the whole model; the values equal the single-device ones (threefry keys are
-  partitionable). The placed shardings are `jax.tree.map(lambda x: x.sharding, state)`.
-  lowered_cache_dir: as for `make_train_step` (non-empty: the lowered computation is kept there).
-  """
+def _state_parts(cfg: config_lib.Config, total_steps: int, lowered_cache_dir: str):
+  """What the initialisation needs: (init rng, abstract variables, optimizer, schedule,
+  assemble: boxed variables -> TrainState)."""
   init_rng, train_rng = jax.random.split(jax.random.PRNGKey(cfg.seed))
   seq_len = cfg.stages.stages[0][0]
   # Traced once per config: a warm launch reads the shapes and logical axes from the cache.
@@ -398,6 +389,33 @@ def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Me
                       opt_state=optimizer.init(params),
                       moe_state=optim.unbox(boxed.get("moe_state", {})), rng=train_rng)
 
+  return init_rng, abstract_vars, optimizer, schedule, assemble
+
+
+def train_state_shapes(cfg: config_lib.Config, total_steps: int, lowered_cache_dir: str = ""
+                       ) -> tuple[TrainState, optax.GradientTransformation, optax.Schedule]:
+  """`init_train_state` without computing the state: a TrainState of jax.ShapeDtypeStructs (no
+  shardings), the optimizer and the schedule. Enough to lower and compile a step (benchmarks)."""
+  _, abstract_vars, optimizer, schedule, assemble = _state_parts(cfg, total_steps,
+                                                                 lowered_cache_dir)
+  return jax.eval_shape(assemble, abstract_vars), optimizer, schedule
+
+
+def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Mesh] = None,
+                     lowered_cache_dir: str = ""
+                     ) -> tuple[TrainState, optax.GradientTransformation, optax.Schedule]:
+  """Fresh state (params, optimizer state, balance biases, rng) and the optimizer.
+
+  One compiled computation builds the whole state. With a mesh it is compiled with the state's
+  shardings (`sharding.state_shardings`) as out_shardings: each device computes only its own
+  shard of the parameters and moments (the routed experts of its expert group), so no device
+  ever holds the whole model; the values equal the single-device ones (threefry keys are
+  partitionable). The placed shardings are `jax.tree.map(lambda x: x.sharding, state)`.
+  lowered_cache_dir: as for `make_train_step` (non-empty: the lowered computation is kept there).
+  """
+  init_rng, abstract_vars, optimizer, schedule, assemble = _state_parts(cfg, total_steps,
+                                                                        lowered_cache_dir)
+  seq_len = cfg.stages.stages[0][0]
   build = lambda rng: assemble(init_variables(cfg.model, rng, 1, seq_len))
   def cached(fun, **jit_kwargs):
     return lowered_cache.cached_jit(fun, cache_dir=lowered_cache_dir, **jit_kwargs,

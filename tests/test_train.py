@@ -440,3 +440,21 @@ def test_stage_remat_and_out_of_memory_message(tmp_path, monkeypatch):
   assert Checkpointer(os.path.join(tmp_path, "oom", "checkpoints"), cfg.checkpoint,
                       read_only=True).all_steps()[-1] == 3
   assert not train_lib.is_out_of_memory(ValueError("shapes do not match"))
+
+
+def test_train_state_shapes_compile_the_step_that_the_state_runs():
+  """`train_state_shapes` gives the initialised state's shapes and dtypes without computing it,
+  and the step compiled against them is the one the real state runs (same optimised program)."""
+  cfg = tiny_config()
+  shapes, optimizer, schedule = train_lib.train_state_shapes(cfg, total_steps=10)
+  state, _, _ = train_lib.init_train_state(cfg, total_steps=10)
+  assert jax.tree.structure(shapes) == jax.tree.structure(state)
+  for s, x in zip(jax.tree.leaves(shapes), jax.tree.leaves(state)):
+    assert isinstance(s, jax.ShapeDtypeStruct) and (s.shape, s.dtype) == (x.shape, x.dtype)
+  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
+                                   total_steps=10)
+  b, t = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
+  batch = {"inputs": jnp.ones((b, t), jnp.int32), "targets": jnp.ones((b, t), jnp.int32),
+           "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), jnp.float32)}
+  from_shapes = step.lower(shapes, batch).compile().as_text()
+  assert from_shapes == step.lower(state, batch).compile().as_text()

@@ -258,9 +258,16 @@ def run_case(case: dict, args, process_start: float) -> dict:
   # Traced and lowered programs kept beside the compiled ones, as `python -m k3jax.train` does.
   lowered_dir = os.path.join(args.cache_dir, "lowered") if args.cache_dir else ""
   t0 = time.perf_counter()
-  state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps,
-                                                          lowered_cache_dir=lowered_dir)
-  jax.block_until_ready(state)
+  if args.compile_only:
+    # The step compiles against the state's shapes: nothing runs on the device, so a compile-only
+    # case can run beside a training process (on the H200, an initialisation's threefry kernel
+    # failed with 'unspecified launch failure' while three other processes used the GPU).
+    state, optimizer, schedule = train_lib.train_state_shapes(cfg, cfg.stages.total_steps,
+                                                              lowered_cache_dir=lowered_dir)
+  else:
+    state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps,
+                                                            lowered_cache_dir=lowered_dir)
+    jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
   step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule,
                                       lowered_cache_dir=lowered_dir,
@@ -454,7 +461,8 @@ def main(argv=None) -> int:
   p.add_argument("--no_warm_rerun", action="store_true",
                  help="run each case once (cold); long cases take minutes a step")
   p.add_argument("--compile_only", action="store_true",
-                 help="stop each case after compiling the step (no steps run)")
+                 help="stop each case after compiling the step against the state's shapes (no "
+                      "state is initialised, no step runs)")
   p.add_argument("--cache_dir", default="",
                  help="driver: root of the per-config persistent cache folders (default: a new "
                       "temporary folder, so that the first run is cold); child: the folder")
