@@ -223,6 +223,16 @@ def config_at_length(cfg, seq_len: int):
   return dataclasses.replace(cfg, model=config_lib.stage_model_config(cfg, stage))
 
 
+def on_first_device(shapes):
+  """ShapeDtypeStructs placed as an initialised single-device state is (SingleDeviceSharding of
+  device 0): the lowered cache keys programs by their arguments' shardings, so a compile-only
+  case writes the entry that a later run of the case reads."""
+  import jax
+  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type,
+                                                     sharding=sharding), shapes)
+
+
 def lower_and_compile(step_fn, state, batch) -> tuple:
   """(compiled step, seconds to trace and lower it, seconds to compile it) for `make_train_step`'s
   step on (state, batch)."""
@@ -262,8 +272,9 @@ def run_case(case: dict, args, process_start: float) -> dict:
     # The step compiles against the state's shapes: nothing runs on the device, so a compile-only
     # case can run beside a training process (on the H200, an initialisation's threefry kernel
     # failed with 'unspecified launch failure' while three other processes used the GPU).
-    state, optimizer, schedule = train_lib.train_state_shapes(cfg, cfg.stages.total_steps,
-                                                              lowered_cache_dir=lowered_dir)
+    shapes, optimizer, schedule = train_lib.train_state_shapes(cfg, cfg.stages.total_steps,
+                                                               lowered_cache_dir=lowered_dir)
+    state = on_first_device(shapes)
   else:
     state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps,
                                                             lowered_cache_dir=lowered_dir)
