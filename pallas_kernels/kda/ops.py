@@ -125,9 +125,11 @@ def _segment_inputs(segment_ids, g_pad, q, k, v, g, beta):
   starts = real & (prev_real >= 0) & (seg != prev_id)
   doc = jnp.cumsum(starts.astype(jnp.int32), axis=1)
   tok = real[:, :, None, None]
-  q, k, v = (jnp.where(tok, x, jnp.zeros((), x.dtype)) for x in (q, k, v))
-  g = jnp.where(tok, g, jnp.asarray(g_pad, g.dtype))
-  beta = jnp.where(real[:, :, None], beta, jnp.zeros((), beta.dtype))
+  # Products with the mask, not selects against zeros: XLA shared one materialised zeros buffer
+  # [B, T, H, K] between every layer's selects (3 GiB at 1M tokens, alive for the whole step).
+  q, k, v = (x * tok.astype(x.dtype) for x in (q, k, v))
+  g = jnp.where(tok, g, jnp.asarray(g_pad, g.dtype))   # g_pad may be -inf: a select
+  beta = beta * real[:, :, None].astype(beta.dtype)
   return q, k, v, g, beta, doc
 
 
