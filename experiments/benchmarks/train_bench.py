@@ -23,8 +23,8 @@ as it is known:
             loss_first / loss_last;
   memory    with --memory_report: the largest buffers alive at the compiled step's memory peak
             and the peak summed by model scope (hlo_memory.py);
-  startup_profile  with --profile_startup DIR: the cold start-up's top host events (XLA's
-            compile phases);
+  startup_profile  with --profile_startup DIR: the cold start-up's top host events after the
+            initialisation (tracing, lowering, XLA's compile phases);
   profile_scopes   with --profile and --memory_report: the step's kernel time by model scope and
             by module kind, and the MoE's share of it against its share of the FLOPs;
   profile   with --profile DIR: the top kernels by device time per step, from a jax.profiler
@@ -262,16 +262,12 @@ def run_case(case: dict, args, process_start: float) -> dict:
                          seq_len)
   mcfg = cfg.model
   startup_trace = None
-  if args.profile_startup:
-    startup_trace = os.path.join(args.profile_startup, f"{name}_run{args.run}_startup")
-    jax.profiler.start_trace(startup_trace)
   # Traced and lowered programs kept beside the compiled ones, as `python -m k3jax.train` does.
   lowered_dir = os.path.join(args.cache_dir, "lowered") if args.cache_dir else ""
   t0 = time.perf_counter()
   if args.compile_only:
     # The step compiles against the state's shapes: nothing runs on the device, so a compile-only
-    # case can run beside a training process (on the H200, an initialisation's threefry kernel
-    # failed with 'unspecified launch failure' while three other processes used the GPU).
+    # case can run beside a training process without competing for its memory, and starts faster.
     shapes, optimizer, schedule = train_lib.train_state_shapes(cfg, cfg.stages.total_steps,
                                                                lowered_cache_dir=lowered_dir)
     state = on_first_device(shapes)
@@ -280,6 +276,12 @@ def run_case(case: dict, args, process_start: float) -> dict:
                                                             lowered_cache_dir=lowered_dir)
     jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
+  if args.profile_startup:
+    # From after the initialisation: with the profiler started before it, the initialisation's
+    # threefry kernel failed with 'unspecified launch failure' on the H200 (3 runs of 3, one of
+    # them alone on the GPU; RESULTS.md, run 12). Lowering and compiling are most of a start-up.
+    startup_trace = os.path.join(args.profile_startup, f"{name}_run{args.run}_startup")
+    jax.profiler.start_trace(startup_trace)
   step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule,
                                       lowered_cache_dir=lowered_dir,
                                       total_steps=cfg.stages.total_steps)
@@ -463,8 +465,9 @@ def main(argv=None) -> int:
                  help="print the buffers alive at the compiled step's memory peak (an XLA dump "
                       "read by hlo_memory.py) as a 'memory' line")
   p.add_argument("--profile_startup", default="",
-                 help="folder for a jax.profiler trace of the cold start-up (initialisation, "
-                      "lowering and compiling the step); prints its top host events")
+                 help="folder for a jax.profiler trace of the cold start-up after the "
+                      "initialisation (lowering and compiling the step); prints its top host "
+                      "events")
   p.add_argument("--memory_top", type=int, default=25,
                  help="--memory_report: how many of the largest buffers and scopes to print")
   p.add_argument("--memory_depth", type=int, default=4,
