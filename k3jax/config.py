@@ -34,6 +34,7 @@ BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
+PRECOMPILE_MODES = ("auto", "on", "off")
 MICROBATCH_LOOPS = ("scan", "host")
 
 
@@ -280,16 +281,30 @@ class StagesConfig:
   # How a step's micro-batches run: 'scan', a lax.scan inside the step's one program; 'host', a
   # Python loop over jitted programs (one per micro-batch, then the update), so that the model's
   # decoder scans sit at the top level of a program, where XLA turns the zero initialisations of
-  # their stacked buffers into fills instead of per-micro-batch copies (issue 17). 'scan' stays
-  # the default until the H200 measurement decides (train_bench.py with and without 'host').
+  # their stacked buffers into fills instead of per-micro-batch copies (issue 17). On the H200,
+  # medium.gin's step with 'host' took 616.7 ms against 638.1 (RESULTS.md, run 12): medium.gin
+  # sets it; 'scan' (one program) stays the default where a step is one micro-batch or few.
   microbatch_loop: str = "scan"
   # ModelConfig.remat per stage, one entry per stage (e.g. ('none', 'full', 'full', 'full'): long
   # rows keep only each layer's inputs for the backward pass); empty: ModelConfig.remat throughout.
   # See `stage_model_config`.
   remat: tuple = ()
+  # 'on': compile the stages' training steps and validation programs in background threads from
+  # the start of the run, in the order they are needed, instead of each when the loop reaches it
+  # (`k3jax.precompile`; needs the persistent compilation cache, on by default in the CLIs).
+  # 'auto': 'on' where the steps run on an accelerator, 'off' on CPU (there the compiles would
+  # take the cores the steps run on: tiny.gin's run took 266 s instead of 198 s on 2 cores).
+  # precompile_workers: compile threads (a long stage's compile takes GiBs of host memory).
+  precompile: str = "auto"
+  precompile_workers: int = 2
 
   def validate(self) -> None:
     p = "StagesConfig."
+    _check(self.precompile in PRECOMPILE_MODES, p + "precompile", f"one of {PRECOMPILE_MODES}",
+           self.precompile)
+    _check(isinstance(self.precompile_workers, int) and not isinstance(self.precompile_workers, bool)
+           and self.precompile_workers >= 1, p + "precompile_workers", "an integer >= 1",
+           self.precompile_workers)
     _check(self.microbatch_tokens >= 0 and (self.microbatch_tokens == 0 or
                                             self.tokens_per_step % self.microbatch_tokens == 0),
            p + "microbatch_tokens", f"0 or a divisor of tokens_per_step={self.tokens_per_step}",

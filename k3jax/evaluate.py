@@ -44,6 +44,7 @@ import optax
 
 from k3jax import compiler
 from k3jax import config as config_lib
+from k3jax import precompile
 from k3jax.data import synthetic
 from k3jax.loss import chunked_loss_by_position, document_positions
 from k3jax.model import scanned_to_unrolled
@@ -167,10 +168,19 @@ class Evaluator:
     self._loss_and_stats = compiler.jit(loss_and_stats)
     self._answer_logits = compiler.jit(answer_logits, static_argnums=3)
 
+  def validation_batch_size(self, seq_len: int) -> int:
+    return max(1, self.cfg.stages.tokens_per_step // seq_len)
+
+  def lower_validation(self, params, moe_state, seq_len: int, sharding=None):
+    """The validation program at seq_len, lowered for these params and moe_state (arrays or
+    ShapeDtypeStructs) and batches placed with `sharding` (`k3jax.precompile`)."""
+    batch = precompile.batch_shapes(self.validation_batch_size(seq_len), seq_len, sharding)
+    return self._loss_and_stats.lower(params, moe_state, batch)
+
   def validation(self, params, moe_state, seq_len: int) -> dict:
     """Validation loss (nats/token), bits per byte, loss by position inside the document (buckets
     that start below seq_len), and per-layer MaxVio of the summed loads."""
-    batch_size = max(1, self.cfg.stages.tokens_per_step // seq_len)
+    batch_size = self.validation_batch_size(seq_len)
     edges = self.cfg.eval.position_buckets
     totals, counts = np.zeros(len(edges)), np.zeros(len(edges))
     loads: dict[str, np.ndarray] = {}

@@ -46,6 +46,7 @@ from k3jax import metrics as metrics_lib
 from k3jax import microbatch
 from k3jax import optim
 from k3jax import plots
+from k3jax import precompile as precompile_lib
 from k3jax import sharding as sharding_lib
 from k3jax.data import packing
 from k3jax.data import synthetic
@@ -427,7 +428,11 @@ def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Me
     # pass). As one GPU kernel per call (the same bits) it compiles in seconds. Not with a mesh:
     # the SPMD partitioner cannot split that custom call and would compute every bit everywhere.
     with jax_config.threefry_gpu_kernel_lowering(True):
-      return cached(build)(init_rng), optimizer, schedule
+      state = cached(build)(init_rng)
+    # Committed to the device, as every later state is (a step's outputs): the first step then
+    # runs the program compiled for committed arguments, not a second one (XLA's compile cache
+    # keys programs by their arguments' commitment; `k3jax.precompile` compiles for committed).
+    return jax.device_put(state, jax.devices()[0]), optimizer, schedule
   # The state's shapes from the variables' shapes: the model is not traced again for them.
   abstract_state = jax.eval_shape(assemble, abstract_vars)
   shardings = sharding_lib.state_shardings(abstract_state, abstract_vars, mesh)
@@ -590,11 +595,33 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
 
   result = TrainResult(step=start, finished=start >= total_steps)
   last_loads, bar = None, None
+  precompiler = None
+  if (scfg.precompile == "on" or (scfg.precompile == "auto" and jax.default_backend() != "cpu")
+     ) and start < total_steps:
+    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+      precompiler = precompile_lib.start_run_programs(
+          cfg, scfg.stage_at(start), state, step_of_stage, evaluator, mesh,
+          memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices))
+    else:
+      print(f"note: StagesConfig.precompile is '{scfg.precompile}', but JAX's persistent "
+            "compilation cache is off "
+            "(--compilation_cache_dir=''): each program compiles when the run reaches it",
+            file=sys.stderr)
+
+  def ready(name: str) -> None:
+    """Waits for a program that the precompiler may be compiling; says how it went, once."""
+    report = None if precompiler is None else precompiler.wait(name)
+    if report and "error" not in report:
+      line = (f"{name}: compiled in the background (lowered in {report['lower_s']:.1f} s, "
+              f"compiled in {report['compile_s']:.1f} s"
+              + (f", {report['temp_gib']} GiB of temporaries)" if "temp_gib" in report else ")"))
+      bar.write(line) if bar is not None else print(line)
   try:
     with StopSignal() as stop:
       iterator = data.train_iterator(start)
       if start == 0 and cfg.eval.every_steps:
         # The starting point of the validation curve (≈ ln(vocab) at initialisation).
+        ready(precompile_lib.validation_program_name(scfg.stages[0][0]))
         results = evaluator(state.params, state.moe_state, scfg.stages[0][0], seed=cfg.seed,
                             passkey=False)
         writer.write(0, "eval", dict(results, stage=0))
@@ -608,10 +635,14 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
         seq_len = scfg.stages[stage][0]
         batch = next(iterator)
         batch = {k: batch[k] for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+        ready(precompile_lib.train_program_name(stage, seq_len))
         train_step = step_of_stage(stage)
         try:
           if mesh is None:
-            state, m = train_step(state, {k: jnp.asarray(v) for k, v in batch.items()})
+            # Committed to the state's device: the program then is the one that
+            # `k3jax.precompile` compiled for arguments placed there (an uncommitted batch makes
+            # another XLA compile-cache key).
+            state, m = train_step(state, jax.device_put(batch, jax.devices()[0]))
           else:
             # Traced inside the mesh context, so the MoE takes its expert-parallel path.
             rows = sharding_lib.local_batch_rows(mesh, scfg.batch_size(stage))
@@ -644,6 +675,7 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
           save(step)
         if at_end or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
           # Passkey at 1-8x the length is the costly part: only at stage ends.
+          ready(precompile_lib.validation_program_name(seq_len))
           results = evaluator(state.params, state.moe_state, seq_len, seed=cfg.seed,
                               passkey=at_end)
           writer.write(step, "eval", dict(results, stage=stage))
@@ -658,6 +690,7 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
         # Stopped by --max_steps: a validation pass at the current length for eval.json (passkey
         # retrieval, the costly part, stays at stage ends).
         stage = scfg.stage_at(step - 1)
+        ready(precompile_lib.validation_program_name(scfg.stages[stage][0]))
         results = evaluator(state.params, state.moe_state, scfg.stages[stage][0], seed=cfg.seed,
                             passkey=False)
         writer.write(step, "eval", dict(results, stage=stage))

@@ -454,7 +454,13 @@ def test_train_state_shapes_compile_the_step_that_the_state_runs():
   step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
                                    total_steps=10)
   b, t = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
-  batch = {"inputs": jnp.ones((b, t), jnp.int32), "targets": jnp.ones((b, t), jnp.int32),
-           "segment_ids": jnp.ones((b, t), jnp.int32), "loss_mask": jnp.ones((b, t), jnp.float32)}
-  from_shapes = step.lower(shapes, batch).compile().as_text()
+  batch = jax.device_put({"inputs": jnp.ones((b, t), jnp.int32),
+                          "targets": jnp.ones((b, t), jnp.int32),
+                          "segment_ids": jnp.ones((b, t), jnp.int32),
+                          "loss_mask": jnp.ones((b, t), jnp.float32)}, jax.devices()[0])
+  # The initialised state is committed to its device (as a step's outputs are): so are the shapes.
+  assert all(x.committed for x in jax.tree.leaves(state))
+  device0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device0), shapes)
+  from_shapes = step.lower(placed, batch).compile().as_text()
   assert from_shapes == step.lower(state, batch).compile().as_text()

@@ -1,0 +1,212 @@
+"""A run's programs compiled ahead of their use, in background threads (`StagesConfig.precompile`).
+
+A curriculum compiles one training step per stage and one validation program per stage length.
+On an H200 each takes ~60-130 s (small.gin), and each used to be compiled when the loop reached
+it: the 8K -> 1M curriculum of small.gin with two steps a stage spent ~12 minutes compiling one
+program after another, in the middle of the run. `Precompiler` traces and lowers the programs
+one after the other in one background thread (tracing holds Python's lock anyway) and compiles
+them on `workers` threads (XLA's compile releases it), while the state initialises and the first
+stages train. A compiled program lands in JAX's persistent compilation cache (and its lowering in
+k3jax's lowered cache); when the loop reaches it, `wait` blocks until it is there, and the loop's
+own call reads it from the caches instead of compiling it again.
+
+Without a persistent compilation cache nothing could be handed over, so `Precompiler` refuses to
+start (the CLIs enable one by default). A program that fails to trace or compile in the background
+is reported on stderr and compiled again where it is used, where its error (e.g. out of memory)
+is raised as without precompiling. On a GPU, a compiled program whose temporaries and arguments
+exceed the device's memory is reported at once, with the settings that would lower it.
+
+Background compiles autotune their GEMMs on the GPU while the loop trains: the timings they pick
+from are measured beside the running step.
+"""
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import sys
+import threading
+import time
+from typing import Callable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from k3jax import sharding as sharding_lib
+
+# What a program's name says in messages, e.g. "train step of stage 3 (1048576 tokens)".
+Describe = str
+
+
+def train_program_name(stage: int, seq_len: int) -> Describe:
+  return f"train step of stage {stage} ({seq_len} tokens)"
+
+
+def validation_program_name(seq_len: int) -> Describe:
+  return f"validation program at {seq_len} tokens"
+
+
+def batch_shapes(batch_size: int, seq_len: int, sharding=None) -> dict:
+  """The shapes of a training or validation batch: inputs/targets/segment_ids int32 and loss_mask
+  fp32, [batch_size, seq_len]."""
+  shape = lambda dtype: jax.ShapeDtypeStruct((batch_size, seq_len), dtype, sharding=sharding)
+  return {"inputs": shape(jnp.int32), "targets": shape(jnp.int32),
+          "segment_ids": shape(jnp.int32), "loss_mask": shape(jnp.float32)}
+
+
+def placed_shapes(tree):
+  """ShapeDtypeStructs of a tree of arrays, each with its array's sharding."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type,
+                                                     sharding=x.sharding), tree)
+
+
+def device_bytes_limit() -> Optional[int]:
+  """Memory of the first device in bytes, or None where the backend does not say (CPU)."""
+  try:
+    stats = jax.devices()[0].memory_stats()
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return None if not stats else stats.get("bytes_limit")
+
+
+class Precompiler:
+  """Traces and compiles programs in background threads; `wait(name)` before using one.
+
+  Args:
+    workers: compile threads (each compile of a long stage takes several GiB of host memory).
+    memory_advice: name -> text naming the settings that lower that program's memory, printed
+      when a compiled program does not fit the device (None: no check).
+
+  Use `submit(name, lower)` in the order the programs are needed, where `lower()` returns a
+  `jax.stages.Lowered` (or an object with `.compile()`); then `wait(name)` where it is needed.
+  The threads are daemons: a process that ends (a signal, --max_steps) does not wait for the
+  compiles still running; what they had finished is in the caches for the next launch.
+  """
+
+  def __init__(self, workers: int, memory_advice: Optional[Callable[[str], str]] = None):
+    if workers < 1:
+      raise ValueError(f"workers must be >= 1, got {workers}")
+    if not (jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir):
+      raise ValueError("precompiling needs JAX's persistent compilation cache (the CLIs' "
+                       "--compilation_cache_dir): without it the loop would compile every program "
+                       "again")
+    self._memory_advice = memory_advice
+    self._limit = device_bytes_limit() if memory_advice is not None else None
+    self._futures: dict[str, concurrent.futures.Future] = {}
+    self._to_lower: queue.Queue = queue.Queue()
+    self._to_compile: queue.Queue = queue.Queue()
+    self._lock = threading.Lock()
+    self.reports: dict[str, dict] = {}   # name -> {"lower_s", "compile_s", "temp_gib"} or "error"
+    threading.Thread(target=self._lower_loop, name="k3jax-trace", daemon=True).start()
+    for i in range(workers):
+      threading.Thread(target=self._compile_loop, name=f"k3jax-compile-{i}", daemon=True).start()
+
+  def submit(self, name: Describe, lower: Callable[[], object]) -> None:
+    """Queues `lower()` on the tracing thread, then its `.compile()` on a compile thread."""
+    if name in self._futures:
+      raise ValueError(f"{name!r} was submitted already")
+    future = self._futures[name] = concurrent.futures.Future()
+    self._to_lower.put((name, lower, future))
+
+  def _lower_loop(self):
+    while True:
+      name, lower, future = self._to_lower.get()
+      t0 = time.perf_counter()
+      try:
+        lowered = lower()
+      except BaseException as e:  # pylint: disable=broad-except
+        future.set_exception(e)
+        continue
+      self._to_compile.put((name, lowered, time.perf_counter() - t0, future))
+
+  def _compile_loop(self):
+    while True:
+      name, lowered, lower_s, future = self._to_compile.get()
+      try:
+        future.set_result(self._compile(name, lowered, lower_s))
+      except BaseException as e:  # pylint: disable=broad-except
+        future.set_exception(e)
+
+  def _compile(self, name, lowered, lower_s) -> dict:
+    t0 = time.perf_counter()
+    compiled = lowered.compile()
+    report = {"lower_s": round(lower_s, 2), "compile_s": round(time.perf_counter() - t0, 2)}
+    programs = getattr(compiled, "programs", {name: compiled})  # the host micro-batch loop's
+    need = 0
+    for program in programs.values():
+      mem = program.memory_analysis()
+      if mem is not None:
+        need = max(need, mem.temp_size_in_bytes + mem.argument_size_in_bytes)
+        report["temp_gib"] = max(report.get("temp_gib", 0.0),
+                                 round(mem.temp_size_in_bytes / 2**30, 2))
+    with self._lock:
+      self.reports[name] = report
+    if self._limit and need > self._limit:
+      print(f"warning: the {name} needs {need / 2**30:.1f} GiB (temporaries and arguments) of "
+            f"the device's {self._limit / 2**30:.1f} GiB: it will run out of memory when the "
+            f"run gets there. {self._memory_advice(name)}", file=sys.stderr, flush=True)
+    return report
+
+  def wait(self, name: Describe) -> Optional[dict]:
+    """Blocks until `name` is compiled; its report, or None when it was never submitted (or
+    waited for already). A background failure is printed and gives a report with "error": the
+    caller compiles the program itself."""
+    future = self._futures.pop(name, None)
+    if future is None:
+      return None
+    try:
+      return future.result()
+    except Exception as e:  # pylint: disable=broad-except
+      first = (str(e).strip().splitlines() or [""])[0][:300]
+      print(f"warning: compiling the {name} in the background failed ({type(e).__name__}: "
+            f"{first}); it is compiled where it is used", file=sys.stderr, flush=True)
+      report = {"error": f"{type(e).__name__}: {first}"}
+      with self._lock:
+        self.reports[name] = report
+      return report
+
+
+def start_run_programs(cfg, first_stage: int, state, step_of_stage: Callable, evaluator,
+                       mesh=None, memory_advice: Optional[Callable[[int], str]] = None
+                       ) -> Precompiler:
+  """A `Precompiler` working on a run's programs from `first_stage` on, in the order the loop
+  needs them: each stage's training step, then the validation program at the stage's end (one
+  per distinct length; not with a mesh, where the evaluation's arguments are placed by the call).
+
+  state: the placed state (its shapes and shardings are the steps' arguments). step_of_stage:
+  stage -> its training step (called here, in the calling thread). memory_advice: stage -> the
+  settings that lower its memory.
+  """
+  scfg = cfg.stages
+  names = {}
+  precompiler = Precompiler(scfg.precompile_workers,
+                            None if memory_advice is None else
+                            lambda name: memory_advice(names[name]))
+  state_shapes = placed_shapes(state)
+  params_shapes = placed_shapes(state.params)
+  moe_shapes = placed_shapes(state.moe_state)
+  device0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  validated = set()
+  for stage in range(first_stage, len(scfg.stages)):
+    seq_len = scfg.stages[stage][0]
+    step = step_of_stage(stage)
+    if mesh is None:
+      batch = batch_shapes(scfg.batch_size(stage), seq_len, device0)
+      lower = lambda step=step, batch=batch: step.lower(state_shapes, batch)
+    else:
+      batch = batch_shapes(scfg.batch_size(stage), seq_len, sharding_lib.batch_sharding(mesh))
+
+      def lower(step=step, batch=batch):
+        with sharding_lib.with_mesh(mesh):   # the loop traces its steps inside the mesh too
+          return step.lower(state_shapes, batch)
+    name = train_program_name(stage, seq_len)
+    names[name] = stage
+    precompiler.submit(name, lower)
+    if mesh is None and seq_len not in validated:
+      validated.add(seq_len)
+      name = validation_program_name(seq_len)
+      names[name] = stage
+      # The evaluation's batches are uncommitted arrays: shapes without a sharding, or the
+      # compile-cache key would differ from the call's.
+      precompiler.submit(name, lambda seq_len=seq_len: evaluator.lower_validation(
+          params_shapes, moe_shapes, seq_len))
+  return precompiler

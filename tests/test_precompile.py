@@ -1,0 +1,114 @@
+"""k3jax.precompile: programs compiled in background threads are what the caller's own calls then
+read from the persistent compilation cache (no second compile in the calling thread); failures
+are reported and left to the caller; a run with StagesConfig.precompile = 'on' trains the losses
+of a run without it. Each test runs in a subprocess: JAX's persistent cache is set up once per
+process."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from testlib import TINY_RUN_BINDINGS
+
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Records which thread compiled or read each program ('jax._src.compiler' logs both at DEBUG).
+_LOG_SETUP = """
+import logging, threading
+EVENTS = []
+class Record(logging.Handler):
+  def emit(self, r):
+    text = r.getMessage()
+    for kind, marker in (("hit", "cache hit for '"), ("miss", "CACHE MISS for '")):
+      if marker in text:
+        EVENTS.append((r.threadName, kind, text.split(marker)[1].split("'")[0]))
+log = logging.getLogger("jax._src.compiler")
+log.setLevel(logging.DEBUG)
+log.addHandler(Record())
+"""
+
+
+def _python(script: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([_REPO, os.path.join(_REPO, "tests"),
+                                         os.environ.get("PYTHONPATH", "")]))
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)
+  out = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       timeout=timeout, env=env, cwd=_REPO)
+  assert out.returncode == 0, (out.returncode, out.stderr[-3000:])
+  return out
+
+
+def test_background_compiles_are_read_back_by_the_callers_calls(tmp_path):
+  script = _LOG_SETUP + textwrap.dedent("""
+      import json, sys
+      import jax, jax.numpy as jnp
+      from k3jax import compiler, precompile
+      try:
+        precompile.Precompiler(1)
+      except ValueError as e:
+        no_cache = str(e)
+      compiler.enable_compilation_cache(sys.argv[1])
+      f = jax.jit(lambda x: jnp.sin(x) @ x.T, donate_argnums=0)
+      g = jax.jit(lambda x, y: jnp.cumsum(x * y, axis=0))
+      x = jax.ShapeDtypeStruct((64, 64), jnp.float32)
+      pre = precompile.Precompiler(2)
+      pre.submit("f program", lambda: f.lower(x))
+      pre.submit("g program", lambda: g.lower(x, x))
+      pre.submit("broken program", lambda: g.lower(x, jax.ShapeDtypeStruct((3,), jnp.float32)))
+      reports = {n: pre.wait(n) for n in ("f program", "g program", "broken program")}
+      f(jnp.ones((64, 64))).block_until_ready()
+      g(jnp.ones((64, 64)), jnp.ones((64, 64))).block_until_ready()
+      print(json.dumps({"reports": reports, "events": EVENTS, "no_cache": no_cache,
+                        "again": pre.wait("f program")}))
+  """)
+  out = _python(script, str(tmp_path / "cache"))
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert "persistent compilation cache" in result["no_cache"]
+  for name in ("f program", "g program"):
+    assert result["reports"][name]["compile_s"] >= 0 and "error" not in result["reports"][name]
+  assert "error" in result["reports"]["broken program"]
+  assert "compiling the broken program in the background failed" in out.stderr
+  assert result["again"] is None
+  events = [tuple(e) for e in result["events"]]
+  # Each program compiled once, in a background thread; the main thread's calls compile nothing
+  # (they read the programs back from the persistent cache, or reuse them in memory).
+  main = [kind for thread, kind, name in events if thread == "MainThread" and name == "jit__lambda"]
+  background = [kind for thread, kind, name in events if thread != "MainThread"]
+  assert "miss" not in main and background == ["miss", "miss"], events
+
+
+@pytest.mark.slow
+def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_the_background(
+    tmp_path):
+  """tiny run, two stages: with 'on', the loop's own calls of the training steps and validation
+  programs compile nothing (the background threads did), and the losses are those of 'off'."""
+  script = _LOG_SETUP + textwrap.dedent("""
+      import json, sys
+      from k3jax import compiler, config as config_lib, metrics, train as train_lib
+      from testlib import TINY_RUN_BINDINGS
+      compiler.enable_compilation_cache(sys.argv[1])
+      cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS +
+                                [f"StagesConfig.precompile = '{sys.argv[3]}'"])
+      train_lib.train(cfg, sys.argv[2], progress=False, tensorboard=False)
+      losses = [r["loss"] for r in metrics.read_jsonl(sys.argv[2] + "/metrics.jsonl")
+                if r["kind"] == "train"]
+      print(json.dumps({"events": EVENTS, "losses": losses}))
+  """)
+  runs = {}
+  for mode in ("on", "off"):
+    out = _python(script, str(tmp_path / f"cache_{mode}"), str(tmp_path / mode), mode)
+    runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    if mode == "on":
+      assert "train step of stage 1 (32 tokens): compiled in the background" in out.stdout
+  assert runs["on"]["losses"] == runs["off"]["losses"]
+  programs = ("jit_train_step", "jit_loss_and_stats")
+  for mode in ("on", "off"):
+    events = [tuple(e) for e in runs[mode]["events"] if e[2] in programs]
+    main_misses = [e for e in events if e[0] == "MainThread" and e[1] == "miss"]
+    other = [e for e in events if e[0] != "MainThread" and e[1] == "miss"]
+    # Two stages: two training steps and two validation programs, compiled once each.
+    assert (len(main_misses), len(other)) == ((0, 4) if mode == "on" else (4, 0)), (mode, events)
