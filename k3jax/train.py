@@ -604,9 +604,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
           memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices))
     else:
       print(f"note: StagesConfig.precompile is '{scfg.precompile}', but JAX's persistent "
-            "compilation cache is off "
-            "(--compilation_cache_dir=''): each program compiles when the run reaches it",
-            file=sys.stderr)
+            "compilation cache is off (--compilation_cache_dir=''): each program compiles when "
+            "the run reaches it", file=sys.stderr)
 
   def ready(name: str) -> None:
     """Waits for a program that the precompiler may be compiling; says how it went, once."""
@@ -615,7 +614,10 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
       line = (f"{name}: compiled in the background (lowered in {report['lower_s']:.1f} s, "
               f"compiled in {report['compile_s']:.1f} s"
               + (f", {report['temp_gib']} GiB of temporaries)" if "temp_gib" in report else ")"))
-      bar.write(line) if bar is not None else print(line)
+      if bar is not None:
+        bar.write(line)
+      else:
+        print(line)
   try:
     with StopSignal() as stop:
       iterator = data.train_iterator(start)
