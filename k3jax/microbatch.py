@@ -149,7 +149,7 @@ def accumulate_scan(loss_fn: LossFn, params: PyTree, moe_state: PyTree, batch: d
 # ------------------------------------------------------------------------------------------------
 
 # apply_update(state, total, ce, aux, mutated, grads) -> (state, metrics): everything a training
-# step does once it has the step's loss and gradients (`k3jax.train.make_train_step`).
+# step does once it has the step's loss and gradients (`k3jax.train_step.make_train_step`).
 ApplyUpdate = Callable[..., tuple]
 
 

@@ -19,6 +19,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from k3jax import config as config_lib
 from k3jax import lowered_cache
 from k3jax import train as train_lib
+from k3jax import train_step as train_step_lib
 from testlib import TINY_RUN_BINDINGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -298,8 +299,8 @@ def test_train_step_and_init_through_the_cache(tmp_path, monkeypatch):
   equal the plain path bit for bit, and the hit never runs the step's Python (its loss)."""
   cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS)
   losses = []
-  real_loss = train_lib.token_cross_entropy
-  monkeypatch.setattr(train_lib, "token_cross_entropy",
+  real_loss = train_step_lib.token_cross_entropy
+  monkeypatch.setattr(train_step_lib, "token_cross_entropy",
                       lambda *a: losses.append(1) or real_loss(*a))
   rng = np.random.default_rng(0)
   batches = []

@@ -1,6 +1,6 @@
 r"""Issue 15's loss equality: the training step's losses on the new kernels against the old path.
 
-small.gin's real training step (`k3jax.train.init_train_state` + `make_train_step`, as
+small.gin's real training step (`k3jax.train_step.init_train_state` + `make_train_step`, as
 train_bench.py builds it: the config's optimizer, QB and micro-batching; the model config of the
 stage whose row length this is, else stage 0's) runs --steps steps from the same seed on the same
 batches (packed rows of random tokens, documents of geometric length with mean --doc_len, from
