@@ -1,12 +1,11 @@
 """A run's programs compiled ahead of their use, in background threads (`StagesConfig.precompile`).
 
 A curriculum compiles one training step per stage and one validation program per stage length.
-On an H200 each takes ~60-130 s (small.gin), and each used to be compiled when the loop reached
-it: the 8K -> 1M curriculum of small.gin with two steps a stage spent ~12 minutes compiling one
-program after another, in the middle of the run. `Precompiler` traces and lowers the programs
-one after the other in one background thread (tracing holds Python's lock anyway) and compiles
-them on `workers` threads (XLA's compile releases it), while the state initialises and the first
-stages train. A compiled program lands in JAX's persistent compilation cache (and its lowering in
+On an H200 each took ~60-130 s to compile alone (small.gin, RESULTS.md runs 10-12), each when
+the loop reached it: small.gin's 8K -> 1M curriculum compiles about ten programs, one after the
+other, in the middle of the run. `Precompiler` traces and lowers the programs one after the other
+in one background thread (tracing holds Python's lock anyway) and compiles them on `workers`
+threads (XLA's compile releases it), from the start of the loop on, while the first stages train. A compiled program lands in JAX's persistent compilation cache (and its lowering in
 k3jax's lowered cache); when the loop reaches it, `wait` blocks until it is there, and the loop's
 own call reads it from the caches instead of compiling it again.
 

@@ -60,6 +60,10 @@ def test_background_compiles_are_read_back_by_the_callers_calls(tmp_path):
       pre.submit("g program", lambda: g.lower(x, x))
       pre.submit("broken program", lambda: g.lower(x, jax.ShapeDtypeStruct((3,), jnp.float32)))
       reports = {n: pre.wait(n) for n in ("f program", "g program", "broken program")}
+      small = precompile.Precompiler(1, memory_advice=lambda name: f"(settings for {name})")
+      small._limit = 1024   # a device of 1 KiB: every program is too large
+      small.submit("h program", lambda: jax.jit(lambda x: x @ x).lower(x))
+      small.wait("h program")
       f(jnp.ones((64, 64))).block_until_ready()
       g(jnp.ones((64, 64)), jnp.ones((64, 64))).block_until_ready()
       print(json.dumps({"reports": reports, "events": EVENTS, "no_cache": no_cache,
@@ -73,12 +77,14 @@ def test_background_compiles_are_read_back_by_the_callers_calls(tmp_path):
   assert "error" in result["reports"]["broken program"]
   assert "compiling the broken program in the background failed" in out.stderr
   assert result["again"] is None
+  assert ("the h program needs" in out.stderr and "of the device's 0.0 GiB: it will run out of "
+          "memory when the run gets there. (settings for h program)" in out.stderr), out.stderr
   events = [tuple(e) for e in result["events"]]
   # Each program compiled once, in a background thread; the main thread's calls compile nothing
   # (they read the programs back from the persistent cache, or reuse them in memory).
   main = [kind for thread, kind, name in events if thread == "MainThread" and name == "jit__lambda"]
   background = [kind for thread, kind, name in events if thread != "MainThread"]
-  assert "miss" not in main and background == ["miss", "miss"], events
+  assert "miss" not in main and background == ["miss"] * 3, events   # f, g and h
 
 
 @pytest.mark.slow
