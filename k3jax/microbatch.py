@@ -153,11 +153,18 @@ def accumulate_scan(loss_fn: LossFn, params: PyTree, moe_state: PyTree, batch: d
 ApplyUpdate = Callable[..., tuple]
 
 
-def _abstract(out_info: PyTree) -> PyTree:
-  """A Lowered's out_info -> ShapeDtypeStructs with plain shardings (to lower the next program)."""
+def _abstract(out_info: PyTree, device=None) -> PyTree:
+  """A Lowered's out_info -> ShapeDtypeStructs with plain shardings (to lower the next program).
+
+  device: the single-device sharding of the program's inputs, or None. An output that out_info
+  leaves unplaced gets it: at run time it is an array committed there, and XLA's compile cache
+  keys a program by its arguments' placement (without it, a program lowered here was compiled
+  again when the loop called it with the real outputs)."""
   def one(o):
     sharding = o.sharding
     sharding = getattr(sharding, "sharding", sharding)   # a Format wraps the sharding
+    if sharding is None:
+      sharding = device
     return jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=sharding)
   return jax.tree.map(one, out_info, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
@@ -270,10 +277,12 @@ class HostLoopStep:
       return self._whole_step.lower(state, batch)
     prepare, update = self._programs_for(num_micro)
     prepare_lowered = prepare.lower(state.params, state.moe_state, batch)
-    micro_batches, weights, acc = _abstract(prepare_lowered.out_info)
+    first = getattr(jax.tree.leaves(state)[0], "sharding", None)
+    device = first if isinstance(first, jax.sharding.SingleDeviceSharding) else None
+    micro_batches, weights, acc = _abstract(prepare_lowered.out_info, device)
     micro_lowered = self._microbatch.lower(state.params, state.moe_state, micro_batches[0],
                                            weights[0], acc)
-    _, moe_state = _abstract(micro_lowered.out_info)
+    _, moe_state = _abstract(micro_lowered.out_info, device)
     update_lowered = update.lower(state.replace(moe_state=None), state.moe_state, acc, moe_state)
     return HostLoopLowered({"train_step_prepare": prepare_lowered,
                             "train_step_microbatch": micro_lowered,

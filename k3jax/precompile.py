@@ -17,11 +17,6 @@ exceed the device's memory is reported at once, with the settings that would low
 
 Background compiles autotune their GEMMs on the GPU while the loop trains: the timings they pick
 from are measured beside the running step.
-
-Known gap: with `StagesConfig.microbatch_loop = 'host'` the loop compiles its micro-batch and
-update programs again (on CPU the loop's calls of them miss the compile cache: their arguments
-differ from the lowered ones in a way not yet found); the one-program step ('scan') and the
-validation programs are reused.
 """
 from __future__ import annotations
 

@@ -92,7 +92,8 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
     tmp_path):
   """tiny run, two stages: with 'on', the loop's own calls of the training steps and validation
   programs compile nothing (the background threads did), and the losses are those of 'off', on
-  one device and on a data:2 x expert:4 mesh of CPU devices."""
+  one device, on a data:2 x expert:4 mesh of CPU devices, and with the host micro-batch loop
+  (two micro-batches a step)."""
   script = _LOG_SETUP + textwrap.dedent("""
       import json, sys
       import jax
@@ -100,23 +101,26 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
       from k3jax import compiler, config as config_lib, metrics, train as train_lib
       from testlib import TINY_RUN_BINDINGS
       compiler.enable_compilation_cache(sys.argv[1])
-      mode, axes = sys.argv[3].split("@")
+      mode, axes, loop = (sys.argv[3] + "@scan").split("@")[:3]
       cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS + [
           f"StagesConfig.precompile = '{mode}'", f"MeshConfig.axes = '{axes}'",
-          "StagesConfig.tokens_per_step = 256", "ModelConfig.moe_num_experts = 8"])
+          "StagesConfig.tokens_per_step = 256", "ModelConfig.moe_num_experts = 8",
+          f"StagesConfig.microbatch_loop = '{loop}'",
+          f"StagesConfig.microbatch_tokens = {128 if loop == 'host' else 0}"])
       train_lib.train(cfg, sys.argv[2], progress=False, tensorboard=False)
       losses = [r["loss"] for r in metrics.read_jsonl(sys.argv[2] + "/metrics.jsonl")
                 if r["kind"] == "train"]
       print(json.dumps({"events": EVENTS, "losses": losses}))
   """)
   runs = {}
-  for mode in ("on@", "off@", "on@data:2,expert:4"):
+  for mode in ("on@", "off@", "on@data:2,expert:4", "on@@host", "off@@host"):
     name = mode.replace(":", "").replace(",", "_").replace("@", "_")
     out = _python(script, str(tmp_path / f"cache_{name}"), str(tmp_path / name), mode)
     runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     if mode.startswith("on"):
       assert "train step of stage 1 (32 tokens): compiled in the background" in out.stdout
   assert runs["on@"]["losses"] == runs["off@"]["losses"]
+  assert runs["on@@host"]["losses"] == runs["off@@host"]["losses"]   # the host micro-batch loop
   # On a mesh (training steps only: the evaluation's arguments are placed by its call).
   assert len(runs["on@data:2,expert:4"]["losses"]) == len(runs["off@"]["losses"])
   for got, want in zip(runs["on@data:2,expert:4"]["losses"], runs["off@"]["losses"]):
@@ -124,7 +128,11 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
   # Two stages: two training steps and two validation programs, compiled once each.
   for mode, programs, expect in (("on@", ("jit_train_step", "jit_loss_and_stats"), (0, 4)),
                                  ("off@", ("jit_train_step", "jit_loss_and_stats"), (4, 0)),
-                                 ("on@data:2,expert:4", ("jit_train_step",), (0, 2))):
+                                 ("on@data:2,expert:4", ("jit_train_step",), (0, 2)),
+                                 # prepare and micro-batch programs of two stages, and one
+                                 # update program (the same for both: shapes of the state)
+                                 ("on@@host", ("jit_train_step_prepare", "jit_train_step_microbatch",
+                                               "jit_train_step_update"), (0, 5))):
     events = [tuple(e) for e in runs[mode]["events"] if e[2] in programs]
     main_misses = [e for e in events if e[0] == "MainThread" and e[1] == "miss"]
     other = [e for e in events if e[0] != "MainThread" and e[1] == "miss"]
