@@ -171,10 +171,10 @@ class Evaluator:
   def validation_batch_size(self, seq_len: int) -> int:
     return max(1, self.cfg.stages.tokens_per_step // seq_len)
 
-  def lower_validation(self, params, moe_state, seq_len: int, sharding=None):
+  def lower_validation(self, params, moe_state, seq_len: int):
     """The validation program at seq_len, lowered for these params and moe_state (arrays or
-    ShapeDtypeStructs) and batches placed with `sharding` (`k3jax.precompile`)."""
-    batch = precompile.batch_shapes(self.validation_batch_size(seq_len), seq_len, sharding)
+    ShapeDtypeStructs) and the uncommitted batches that `validation` passes (`k3jax.precompile`)."""
+    batch = precompile.batch_shapes(self.validation_batch_size(seq_len), seq_len)
     return self._loss_and_stats.lower(params, moe_state, batch)
 
   def validation(self, params, moe_state, seq_len: int) -> dict:

@@ -21,6 +21,8 @@ from are measured beside the running step.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
+import functools
 import queue
 import sys
 import threading
@@ -52,10 +54,12 @@ def batch_shapes(batch_size: int, seq_len: int, sharding=None) -> dict:
           "segment_ids": shape(jnp.int32), "loss_mask": shape(jnp.float32)}
 
 
-def placed_shapes(tree):
-  """ShapeDtypeStructs of a tree of arrays, each with its array's sharding."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type,
-                                                     sharding=x.sharding), tree)
+def placed_shapes(tree, sharding=None):
+  """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs), each with `sharding`, or
+  where None its leaf's own sharding."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
+      x.shape, x.dtype, weak_type=x.weak_type,
+      sharding=x.sharding if sharding is None else sharding), tree)
 
 
 def device_bytes_limit() -> Optional[int]:
@@ -93,8 +97,6 @@ class Precompiler:
     self._futures: dict[str, concurrent.futures.Future] = {}
     self._to_lower: queue.Queue = queue.Queue()
     self._to_compile: queue.Queue = queue.Queue()
-    self._lock = threading.Lock()
-    self.reports: dict[str, dict] = {}   # name -> {"lower_s", "compile_s", "temp_gib"} or "error"
     threading.Thread(target=self._lower_loop, name="k3jax-trace", daemon=True).start()
     for i in range(workers):
       threading.Thread(target=self._compile_loop, name=f"k3jax-compile-{i}", daemon=True).start()
@@ -137,8 +139,6 @@ class Precompiler:
         need = max(need, mem.temp_size_in_bytes + mem.argument_size_in_bytes)
         report["temp_gib"] = max(report.get("temp_gib", 0.0),
                                  round(mem.temp_size_in_bytes / 2**30, 2))
-    with self._lock:
-      self.reports[name] = report
     if self._limit and need > self._limit:
       print(f"warning: the {name} needs {need / 2**30:.1f} GiB (temporaries and arguments) of "
             f"the device's {self._limit / 2**30:.1f} GiB: it will run out of memory when the "
@@ -158,10 +158,7 @@ class Precompiler:
       first = (str(e).strip().splitlines() or [""])[0][:300]
       print(f"warning: compiling the {name} in the background failed ({type(e).__name__}: "
             f"{first}); it is compiled where it is used", file=sys.stderr, flush=True)
-      report = {"error": f"{type(e).__name__}: {first}"}
-      with self._lock:
-        self.reports[name] = report
-      return report
+      return {"error": f"{type(e).__name__}: {first}"}
 
 
 def start_run_programs(cfg, first_stage: int, state, step_of_stage: Callable, evaluator,
@@ -181,31 +178,26 @@ def start_run_programs(cfg, first_stage: int, state, step_of_stage: Callable, ev
                             None if memory_advice is None else
                             lambda name: memory_advice(names[name]))
   state_shapes = placed_shapes(state)
-  params_shapes = placed_shapes(state.params)
-  moe_shapes = placed_shapes(state.moe_state)
-  device0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  validated = set()
+  # Where the loop places a step's batch: committed to the state's device, or over the mesh.
+  batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                    else sharding_lib.batch_sharding(mesh))
+
+  def lower_step(step, batch):
+    # The loop traces its steps inside the mesh, where there is one.
+    with contextlib.nullcontext() if mesh is None else sharding_lib.with_mesh(mesh):
+      return step.lower(state_shapes, batch)
+
   for stage in range(first_stage, len(scfg.stages)):
     seq_len = scfg.stages[stage][0]
-    step = step_of_stage(stage)
-    if mesh is None:
-      batch = batch_shapes(scfg.batch_size(stage), seq_len, device0)
-      lower = lambda step=step, batch=batch: step.lower(state_shapes, batch)
-    else:
-      batch = batch_shapes(scfg.batch_size(stage), seq_len, sharding_lib.batch_sharding(mesh))
-
-      def lower(step=step, batch=batch):
-        with sharding_lib.with_mesh(mesh):   # the loop traces its steps inside the mesh too
-          return step.lower(state_shapes, batch)
     name = train_program_name(stage, seq_len)
     names[name] = stage
-    precompiler.submit(name, lower)
-    if mesh is None and seq_len not in validated:
-      validated.add(seq_len)
-      name = validation_program_name(seq_len)
+    batch = batch_shapes(scfg.batch_size(stage), seq_len, batch_sharding)
+    precompiler.submit(name, functools.partial(lower_step, step_of_stage(stage), batch))
+    name = validation_program_name(seq_len)
+    if mesh is None and name not in names:
       names[name] = stage
       # The evaluation's batches are uncommitted arrays: shapes without a sharding, or the
       # compile-cache key would differ from the call's.
-      precompiler.submit(name, lambda seq_len=seq_len: evaluator.lower_validation(
-          params_shapes, moe_shapes, seq_len))
+      precompiler.submit(name, functools.partial(evaluator.lower_validation, state_shapes.params,
+                                                 state_shapes.moe_state, seq_len))
   return precompiler

@@ -64,6 +64,7 @@ def test_compile_only_state_shapes_key_the_program_that_a_run_reads(tmp_path):
   import jax
   import jax.numpy as jnp
   from k3jax import config as config_lib
+  from k3jax import precompile
   from k3jax import train as train_lib
   from testlib import TINY_RUN_BINDINGS
   cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS)
@@ -74,7 +75,8 @@ def test_compile_only_state_shapes_key_the_program_that_a_run_reads(tmp_path):
   b, t = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
   batch = {k: jnp.ones((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
            for k in ("inputs", "targets", "segment_ids", "loss_mask")}
-  tb.lower_and_compile(step, tb.on_first_device(shapes), batch)
+  device0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  tb.lower_and_compile(step, precompile.placed_shapes(shapes, device0), batch)
   assert (step.hits, step.misses) == (0, 1)
   state, _ = step(state, batch)   # the step donates its state
   assert (step.hits, step.misses) == (0, 1)   # the same program object: nothing traced again

@@ -223,16 +223,6 @@ def config_at_length(cfg, seq_len: int):
   return dataclasses.replace(cfg, model=config_lib.stage_model_config(cfg, stage))
 
 
-def on_first_device(shapes):
-  """ShapeDtypeStructs placed as an initialised single-device state is (SingleDeviceSharding of
-  device 0): the lowered cache keys programs by their arguments' shardings, so a compile-only
-  case writes the entry that a later run of the case reads."""
-  import jax
-  sharding = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, weak_type=s.weak_type,
-                                                     sharding=sharding), shapes)
-
-
 def lower_and_compile(step_fn, state, batch) -> tuple:
   """(compiled step, seconds to trace and lower it, seconds to compile it) for `make_train_step`'s
   step on (state, batch)."""
@@ -251,6 +241,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
   import jax
 
   from k3jax import flops as flops_lib
+  from k3jax import precompile
   from k3jax import train as train_lib
   from k3jax.model import K3Model
 
@@ -269,7 +260,9 @@ def run_case(case: dict, args, process_start: float) -> dict:
     # case can run beside a training process without competing for its memory, and starts faster.
     shapes, optimizer, schedule = train_lib.train_state_shapes(cfg, cfg.stages.total_steps,
                                                                lowered_cache_dir=lowered_dir)
-    state = on_first_device(shapes)
+    # Placed as an initialised single-device state is: the caches key programs by their
+    # arguments' placement, so a compile-only case writes what a later run of the case reads.
+    state = precompile.placed_shapes(shapes, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
   else:
     state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps,
                                                             lowered_cache_dir=lowered_dir)
