@@ -416,14 +416,18 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
         bar.write(line)
       else:
         print(line)
+
+  def evaluate(seq_len: int, passkey: bool) -> dict:
+    """The evaluator on the current state at seq_len, once its program is compiled."""
+    ready(precompile_lib.validation_program_name(seq_len))
+    return evaluator(state.params, state.moe_state, seq_len, seed=cfg.seed, passkey=passkey)
+
   try:
     with StopSignal() as stop:
       iterator = data.train_iterator(start)
       if start == 0 and cfg.eval.every_steps:
         # The starting point of the validation curve (≈ ln(vocab) at initialisation).
-        ready(precompile_lib.validation_program_name(scfg.stages[0][0]))
-        results = evaluator(state.params, state.moe_state, scfg.stages[0][0], seed=cfg.seed,
-                            passkey=False)
+        results = evaluate(scfg.stages[0][0], passkey=False)
         writer.write(0, "eval", dict(results, stage=0))
         print(f"validation loss at step 0: {results['val_loss']:.4f}")
       # The bar (and its ETA) counts to where this call stops, --max_steps included.
@@ -475,9 +479,7 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
           save(step)
         if at_end or (cfg.eval.every_steps and step % cfg.eval.every_steps == 0):
           # Passkey at 1-8x the length is the costly part: only at stage ends.
-          ready(precompile_lib.validation_program_name(seq_len))
-          results = evaluator(state.params, state.moe_state, seq_len, seed=cfg.seed,
-                              passkey=at_end)
+          results = evaluate(seq_len, passkey=at_end)
           writer.write(step, "eval", dict(results, stage=stage))
           bar.write(f"eval at step {step} (stage {stage}, seq_len {seq_len}):\n"
                     + format_eval(results))
@@ -490,9 +492,7 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
         # Stopped by --max_steps: a validation pass at the current length for eval.json (passkey
         # retrieval, the costly part, stays at stage ends).
         stage = scfg.stage_at(step - 1)
-        ready(precompile_lib.validation_program_name(scfg.stages[stage][0]))
-        results = evaluator(state.params, state.moe_state, scfg.stages[stage][0], seed=cfg.seed,
-                            passkey=False)
+        results = evaluate(scfg.stages[stage][0], passkey=False)
         writer.write(step, "eval", dict(results, stage=stage))
       result.step = step
       result.finished = step >= total_steps
