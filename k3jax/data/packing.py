@@ -59,9 +59,9 @@ def check_train_size(num_tokens: int, tokens_per_step: int, data_cfg=None) -> No
   (tokens_per_step tokens plus one lookahead token). data_cfg (a DataConfig) names the source."""
   if num_tokens >= tokens_per_step + 1:
     return
-  raise ValueError(f"the train split{_source_text(data_cfg)} has {num_tokens} tokens, fewer than one step needs "
-                   f"(StagesConfig.tokens_per_step = {tokens_per_step}, plus one lookahead "
-                   "token); use more data or lower StagesConfig.tokens_per_step")
+  raise ValueError(f"the train split{_source_text(data_cfg)} has {num_tokens} tokens, fewer than "
+                   f"one step needs (StagesConfig.tokens_per_step = {tokens_per_step}, plus one "
+                   "lookahead token); use more data or lower StagesConfig.tokens_per_step")
 
 
 def check_validation_size(num_tokens: int, longest_seq_len: int, data_cfg=None,
@@ -79,9 +79,9 @@ def check_validation_size(num_tokens: int, longest_seq_len: int, data_cfg=None,
     need = min(0.49, 1.25 * (longest_seq_len + 1) / total_tokens)
     hint = (f"raise DataConfig.validation_fraction (now {data_cfg.validation_fraction}) to about "
             f"{need:.2f}, or use more data" if need > data_cfg.validation_fraction else hint)
-  raise ValueError(f"the validation split{_source_text(data_cfg)} has {num_tokens} tokens, fewer than one "
-                   f"evaluation row of the longest stage needs ({longest_seq_len} tokens, plus "
-                   f"one lookahead token); {hint}")
+  raise ValueError(f"the validation split{_source_text(data_cfg)} has {num_tokens} tokens, "
+                   f"fewer than one evaluation row of the longest stage needs ({longest_seq_len} "
+                   f"tokens, plus one lookahead token); {hint}")
 
 
 class TokenWindows:
