@@ -1,4 +1,4 @@
-"""`jit` with the compiler options k3jax needs on the current backend.
+"""`jit` with the compiler options k3jax needs on the current backend and device count.
 
 XLA:CPU in jaxlib 0.10.2 crashes the process (SIGSEGV, no Python error) while *running* the gradient
 of the chunked KDA for some shapes, e.g. chunk_size 32 with 2 heads: B=8, T=32, H=2, K=V=32. The
@@ -7,6 +7,9 @@ empty) makes the same computation run and give the same numbers as on other shap
 bug, not a k3jax one, so the option is set only where it is known: on the CPU backend, and only if
 this jaxlib accepts it (checked once by compiling a trivial function; jaxlibs without the pass
 reject the name, and then nothing is set). Reproducer: tests/test_compiler.py.
+
+On a single GPU the latency-hiding scheduler is off (`options_for`): with nothing to overlap it
+was a third of the step's compile. Any option that XLA_FLAGS names is left to XLA_FLAGS.
 
 Scope: k3jax's top-level jits (the training step, evaluation, decoding, and eager calls of the KDA
 ops) carry the option. A jit of your own around k3jax code does not; on XLA:CPU set it for the
@@ -23,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 from typing import Any, Callable
 
 import jax
@@ -43,11 +47,33 @@ def _cpu_options_supported() -> bool:
   return True
 
 
+# XLA:GPU's latency-hiding scheduler orders a program so that collectives and asynchronous copies
+# overlap compute. With one GPU there are no collectives to hide, and it was the largest single
+# phase of small.gin's step compile on an H200 (39 s of a 101-s compile, profiled; RESULTS.md run
+# 13). Without it the compile took 62.4 s instead of 73.0, the step ran at the same speed (202.8
+# against 200.4 ms, medium.gin 617.3 against 616.7 ms) with fewer temporaries (37.8 against 40.0
+# GiB). With several GPUs it stays on: there it overlaps the expert and data all-to-alls.
+_SINGLE_GPU_OPTIONS = {"xla_gpu_enable_latency_hiding_scheduler": False}
+
+
+def options_for(backend: str, device_count: int, xla_flags: str = "") -> dict:
+  """The XLA options k3jax sets for `backend` with `device_count` devices in the run (a fresh
+  dict), leaving out any option that `xla_flags` (the XLA_FLAGS environment variable) sets:
+  the user's flag wins."""
+  if backend == "cpu":
+    options = dict(_CPU_OPTIONS) if _cpu_options_supported() else {}
+  elif backend in ("gpu", "cuda", "rocm") and device_count == 1:
+    options = dict(_SINGLE_GPU_OPTIONS)
+  else:
+    options = {}
+  named = set(re.findall(r"--([A-Za-z0-9_]+)", xla_flags))
+  return {k: v for k, v in options.items() if k not in named}
+
+
 def compiler_options() -> dict:
-  """The XLA options for k3jax computations on the default backend (a fresh dict)."""
-  if jax.default_backend() == "cpu" and _cpu_options_supported():
-    return dict(_CPU_OPTIONS)
-  return {}
+  """The XLA options for k3jax computations on the default backend and its devices (a fresh
+  dict): `options_for(jax.default_backend(), jax.device_count(), $XLA_FLAGS)`."""
+  return options_for(jax.default_backend(), jax.device_count(), os.environ.get("XLA_FLAGS", ""))
 
 
 def jit(fun: Callable, **jit_kwargs: Any) -> Callable:

@@ -25,6 +25,23 @@ def test_options_only_on_cpu():
     assert opts == {}
 
 
+def test_options_for_backends_and_device_counts():
+  gpu_one = compiler.options_for("gpu", 1)
+  assert gpu_one == {"xla_gpu_enable_latency_hiding_scheduler": False}
+  # Several GPUs: the scheduler overlaps their collectives, so it stays on.
+  assert compiler.options_for("gpu", 8) == {}
+  assert compiler.options_for("tpu", 1) == {}
+  assert set(compiler.options_for("cpu", 8)) <= {"xla_cpu_experimental_ynn_fusion_type"}
+
+
+def test_options_named_in_xla_flags_are_left_to_them():
+  flags = "--xla_dump_to=/tmp/x --xla_gpu_enable_latency_hiding_scheduler=true"
+  assert compiler.options_for("gpu", 1, flags) == {}
+  assert compiler.options_for("gpu", 1, "--xla_gpu_autotune_level=0") == {
+      "xla_gpu_enable_latency_hiding_scheduler": False}
+  assert compiler.options_for("cpu", 1, "--xla_cpu_experimental_ynn_fusion_type=") == {}
+
+
 def test_jit_keeps_caller_options_and_semantics():
   f = compiler.jit(lambda x, n: x * n, static_argnums=1)
   np.testing.assert_array_equal(f(jnp.arange(3.0), 2), [0.0, 2.0, 4.0])
