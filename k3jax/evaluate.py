@@ -44,6 +44,7 @@ import optax
 
 from k3jax import compiler
 from k3jax import config as config_lib
+from k3jax import device_memory
 from k3jax import precompile
 from k3jax.data import synthetic
 from k3jax.loss import chunked_loss_by_position, document_positions
@@ -290,6 +291,11 @@ def main(argv):
   from k3jax import checkpoint as checkpoint_lib
   checkpoint_lib.quiet_logging()
   FLAGS = flags.FLAGS
+  try:
+    device_memory.apply_flag()   # before anything touches a device
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   try:
     for name in ("step", "seq_len"):
@@ -317,6 +323,7 @@ def _define_flags():
   flags.DEFINE_integer("seq_len", None,
                        "Training length for the evaluation (default: the checkpoint's stage).")
   compiler.define_compilation_cache_flag()
+  device_memory.define_flag()
 
 
 if __name__ == "__main__":

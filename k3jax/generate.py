@@ -21,6 +21,7 @@ import numpy as np
 
 from k3jax import compiler
 from k3jax import config as config_lib
+from k3jax import device_memory
 from k3jax.data import make_tokenizer
 from k3jax.model import K3Model, init_variables
 
@@ -93,6 +94,7 @@ flags.DEFINE_float("temperature", 0.8, "sampling temperature; 0 is greedy.")
 flags.DEFINE_integer("top_k", 0, "sample among the top-k tokens (0: all).")
 flags.DEFINE_integer("seed", 0, "sampling seed.")
 compiler.define_compilation_cache_flag()
+device_memory.define_flag()
 
 
 def restore_for_inference(workdir: str, step: Optional[int] = None
@@ -137,6 +139,11 @@ def main(argv):
   del argv
   from k3jax import checkpoint as checkpoint_lib
   checkpoint_lib.quiet_logging()
+  try:
+    device_memory.apply_flag()   # before anything touches a device
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   try:
     cfg, variables, source = _load(FLAGS)

@@ -36,6 +36,7 @@ import numpy as np
 from k3jax import checkpoint as checkpoint_lib
 from k3jax import compiler
 from k3jax import config as config_lib
+from k3jax import device_memory
 from k3jax import distributed
 from k3jax import metrics as metrics_lib
 from k3jax import plots
@@ -85,7 +86,9 @@ def out_of_memory_message(cfg: config_lib.Config, stage: int, mesh_devices: int 
           f"position_chunk_tokens {mcfg.position_chunk_tokens}, {mesh_devices} device(s)). "
           "To lower memory: StagesConfig.remat (or ModelConfig.remat) = 'full' for this stage; "
           "ModelConfig.position_chunk_tokens > 0 (e.g. 65536); a smaller "
-          "StagesConfig.microbatch_tokens; or a mesh with more devices (--mesh).")
+          "StagesConfig.microbatch_tokens; or a mesh with more devices (--mesh)"
+          + (f"; or a larger --device_memory_fraction (now {device_memory.current_fraction()})."
+             if jax.default_backend() == "gpu" else "."))
 
 
 class Data(NamedTuple):
@@ -569,6 +572,11 @@ def main(argv):
     sys.exit(2)
   checkpoint_lib.quiet_logging()
   FLAGS = flags.FLAGS
+  try:
+    device_memory.apply_flag()   # before anything touches a device
+  except ValueError as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(2)
   cache_folder = compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
   distributed.maybe_initialize(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
   try:
@@ -606,6 +614,7 @@ def define_flags():
   flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
   flags.DEFINE_bool("tensorboard", True, "Write TensorBoard events to DIR/tb.")
   compiler.define_compilation_cache_flag()
+  device_memory.define_flag()
 
 
 if __name__ == "__main__":

@@ -72,6 +72,12 @@ CONFIG_TIME_CASES = [
     ("generate", ["--gin_file=gin_configs/tiny.gin", "--step=3"], "--step needs --workdir"),
     ("evaluate", ["--workdir={root}/w", "--seq_len=0"], "--seq_len=0 is not allowed"),
     ("evaluate", ["--workdir={root}/nothing"], "has no config.gin"),
+    ("train", ["--device_memory_fraction=1.5", "--workdir={root}/w"],
+     "--device_memory_fraction=1.5 is not allowed: a fraction in (0, 1]"),
+    ("evaluate", ["--workdir={root}/w", "--device_memory_fraction=0"],
+     "--device_memory_fraction=0.0 is not allowed"),
+    ("generate", ["--gin_file=gin_configs/tiny.gin", "--device_memory_fraction=-1"],
+     "--device_memory_fraction=-1.0 is not allowed"),
 ]
 
 
