@@ -5,7 +5,9 @@ On an H200 each took ~60-130 s to compile alone (small.gin, RESULTS.md runs 10-1
 the loop reached it: small.gin's 8K -> 1M curriculum compiles about ten programs, one after the
 other, in the middle of the run. `Precompiler` traces and lowers the programs one after the other
 in one background thread (tracing holds Python's lock anyway) and compiles them on `workers`
-threads (XLA's compile releases it), from the start of the loop on, while the first stages train. A compiled program lands in JAX's persistent compilation cache (and its lowering in
+threads (XLA's compile releases it), from before the state is initialised on (the programs
+need only the state's shapes and placements), while the state initialises and the first stages
+train. A compiled program lands in JAX's persistent compilation cache (and its lowering in
 k3jax's lowered cache); when the loop reaches it, `wait` blocks until it is there, and the loop's
 own call reads it from the caches instead of compiling it again.
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import functools
+import os
 import queue
 import sys
 import threading
@@ -80,9 +83,13 @@ class Precompiler:
       when a compiled program does not fit the device (None: no check).
 
   Use `submit(name, lower)` in the order the programs are needed, where `lower()` returns a
-  `jax.stages.Lowered` (or an object with `.compile()`); then `wait(name)` where it is needed.
-  The threads are daemons: a process that ends (a signal, --max_steps) does not wait for the
-  compiles still running; what they had finished is in the caches for the next launch.
+  `jax.stages.Lowered` (or an object with `.compile()`); then `wait(name)` where it is needed,
+  and `close()` when the run ends. The threads are daemons: a process that ends (an error, a
+  signal, --max_steps) does not wait for the compiles still running; what they had finished is
+  in the caches for the next launch. A process must not finalise the interpreter while one of
+  them is inside XLA (a run that stopped at stage 3's out-of-memory with the validation program
+  compiling beside it died in a segmentation fault, exit code 139): the CLIs end with
+  `exit_process`, which leaves at once while `background_work_running()`.
   """
 
   def __init__(self, workers: int, memory_advice: Optional[Callable[[str], str]] = None):
@@ -97,6 +104,7 @@ class Precompiler:
     self._futures: dict[str, concurrent.futures.Future] = {}
     self._to_lower: queue.Queue = queue.Queue()
     self._to_compile: queue.Queue = queue.Queue()
+    self._closed = threading.Event()
     threading.Thread(target=self._lower_loop, name="k3jax-trace", daemon=True).start()
     for i in range(workers):
       threading.Thread(target=self._compile_loop, name=f"k3jax-compile-{i}", daemon=True).start()
@@ -108,24 +116,52 @@ class Precompiler:
     future = self._futures[name] = concurrent.futures.Future()
     self._to_lower.put((name, lower, future))
 
+  def close(self) -> None:
+    """Drops the programs not yet started (their waits raise CancelledError); a lowering or a
+    compile already running goes on in its thread."""
+    self._closed.set()
+    for q in (self._to_lower, self._to_compile):
+      while True:
+        try:
+          item = q.get_nowait()
+        except queue.Empty:
+          break
+        item[-1].cancel()
+
+  def _take(self, q: queue.Queue):
+    """The next job of `q`, with this thread marked as working; None (the job cancelled) once
+    the precompiler is closed."""
+    item = q.get()
+    if self._closed.is_set():
+      item[-1].cancel()
+      return None
+    threading.current_thread().k3jax_working = True
+    return item
+
   def _lower_loop(self):
     while True:
-      name, lower, future = self._to_lower.get()
+      if (item := self._take(self._to_lower)) is None:
+        continue
+      name, lower, future = item
       t0 = time.perf_counter()
       try:
-        lowered = lower()
+        self._to_compile.put((name, lower(), time.perf_counter() - t0, future))
       except BaseException as e:  # pylint: disable=broad-except
         future.set_exception(e)
-        continue
-      self._to_compile.put((name, lowered, time.perf_counter() - t0, future))
+      finally:
+        threading.current_thread().k3jax_working = False
 
   def _compile_loop(self):
     while True:
-      name, lowered, lower_s, future = self._to_compile.get()
+      if (item := self._take(self._to_compile)) is None:
+        continue
+      name, lowered, lower_s, future = item
       try:
         future.set_result(self._compile(name, lowered, lower_s))
       except BaseException as e:  # pylint: disable=broad-except
         future.set_exception(e)
+      finally:
+        threading.current_thread().k3jax_working = False
 
   def _compile(self, name, lowered, lower_s) -> dict:
     t0 = time.perf_counter()
@@ -154,6 +190,8 @@ class Precompiler:
       return None
     try:
       return future.result()
+    except concurrent.futures.CancelledError:
+      return {"error": "cancelled: the precompiler was closed before it started"}
     except Exception as e:  # pylint: disable=broad-except
       first = (str(e).strip().splitlines() or [""])[0][:300]
       print(f"warning: compiling the {name} in the background failed ({type(e).__name__}: "
@@ -168,7 +206,8 @@ def start_run_programs(cfg, first_stage: int, state, step_of_stage: Callable, ev
   needs them: each stage's training step, then the validation program at the stage's end (one
   per distinct length; not with a mesh, where the evaluation's arguments are placed by the call).
 
-  state: the placed state (its shapes and shardings are the steps' arguments). step_of_stage:
+  state: the placed state, or its ShapeDtypeStructs with the shardings it will have
+  (`train_step.placed_train_state_shapes`): the steps' arguments. step_of_stage:
   stage -> its training step (called here, in the calling thread). memory_advice: stage -> the
   settings that lower its memory.
   """
@@ -201,3 +240,21 @@ def start_run_programs(cfg, first_stage: int, state, step_of_stage: Callable, ev
       precompiler.submit(name, functools.partial(evaluator.lower_validation, state_shapes.params,
                                                  state_shapes.moe_state, seq_len))
   return precompiler
+
+
+def background_work_running() -> bool:
+  """Whether a precompiler thread is lowering or compiling a program right now."""
+  return any(getattr(t, "k3jax_working", False) for t in threading.enumerate())
+
+
+def exit_process(code: int = 0) -> None:
+  """Ends a CLI process with `code`. While a background lowering or compile is inside XLA, the
+  interpreter is not finalised under it (that crashed with a segmentation fault): the streams are
+  flushed and the process leaves at once. Otherwise a normal `sys.exit`."""
+  if background_work_running():
+    print("note: leaving the programs still compiling in the background unfinished",
+          file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+  sys.exit(code)

@@ -27,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 import jax
@@ -52,7 +53,7 @@ from k3jax.flops import flops_per_token
 from k3jax.model import K3Model, unrolled_to_scanned
 # The step and the state live in k3jax.train_step; re-exported here, where callers have found them.
 from k3jax.train_step import (TrainState, init_train_state, make_train_step,  # noqa: F401
-                              train_state_shapes)  # noqa: F401
+                              placed_train_state_shapes, train_state_shapes)  # noqa: F401
 
 # Rows drawn per MQAR validation batch come from rng streams disjoint from the training steps'.
 _SYNTHETIC_VALIDATION_OFFSET = 1 << 40
@@ -324,9 +325,12 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   data = make_data(cfg)
   model = K3Model(cfg.model)
   mesh = make_run_mesh(cfg)
-  state, optimizer, schedule = init_train_state(cfg, total_steps, mesh, lowered_cache_dir)
+  # The state's shapes, placed where the initialisation will put them: enough to trace and
+  # compile the steps, which start compiling (precompile) before the state is initialised.
+  state_shapes, optimizer, schedule = placed_train_state_shapes(cfg, total_steps, mesh,
+                                                                lowered_cache_dir)
   step_kwargs = dict(lowered_cache_dir=lowered_cache_dir, total_steps=total_steps)
-  state_sh = jax.tree.map(lambda x: x.sharding, state)   # where the fresh state was placed
+  state_sh = jax.tree.map(lambda x: x.sharding, state_shapes)
   if mesh is not None:
     step_kwargs.update(state_shardings=state_sh,
                        batch_shardings=sharding_lib.batch_sharding(mesh))
@@ -341,43 +345,65 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
                                           optimizer, schedule, **step_kwargs)
     return stage_steps[mcfg]
   evaluator = Evaluator(cfg, model, data)
+  devices = 1 if mesh is None else mesh.devices.size
 
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
                                      keep_steps=ends)
-  changes = _config_changes(workdir, cfg)
-  try:
-    restored = ckpt.restore_latest(params=state.params, moe_state=state.moe_state,
-                                   opt_state=state.opt_state, rng=state.rng,
-                                   log=lambda line: print(f"warning: {line}", file=sys.stderr),
-                                   # checkpoints written before the decoder became a scan
-                                   convert=lambda item, tree: unrolled_to_scanned(tree, cfg.model))
-  except checkpoint_lib.IncompatibleCheckpointError as e:
-    ckpt.close()
-    settings = "; ".join(changes) or "none in config.gin (the code's parameter tree changed?)"
-    raise config_lib.ConfigError(
-        f"--workdir={workdir} holds a run whose checkpoints do not fit this config ({e}). "
-        f"Changed settings: {settings}. Use a new --workdir for the new config, or put the "
-        "settings back to resume this run.") from e
-  except checkpoint_lib.CorruptCheckpointError as e:
-    ckpt.close()
-    raise config_lib.ConfigError(
-        f"{e}. They were moved to {os.path.join(ckpt.directory, checkpoint_lib.CORRUPT_DIR)}; "
-        "re-run to start from step 0, or use a new --workdir.") from e
-  start = None if restored is None else int(restored["meta"]["step"])
-  if start is not None:
-    if changes:
-      print("note: the config differs from the one this run started with:\n  " +
-            "\n  ".join(changes), file=sys.stderr)
-    if restored["meta"]["data_position"] != start:
-      raise ValueError(f"checkpoint {start}: data_position {restored['meta']['data_position']} "
-                       "!= step")
-    state = TrainState(step=jnp.asarray(start, jnp.int32), params=restored["params"],
-                       opt_state=restored["opt_state"], moe_state=restored["moe_state"],
-                       rng=restored["rng"])
-    # Every leaf where the fresh state had it (the step counter too): arguments placed otherwise
-    # than at the first launch would make the resumed step compile again (~100 s on the GPU).
-    state = jax.device_put(state, state_sh)
-    print(f"resuming from step {start} (stage {scfg.stage_at(max(start - 1, 0))})")
+  precompiler = None
+  first = ckpt.latest_step() or 0   # where the run will start, unless that checkpoint is refused
+  if (scfg.precompile == "on" or (scfg.precompile == "auto" and jax.default_backend() != "cpu")
+     ) and first < total_steps:
+    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
+      # From here on the first stage's step traces and compiles while the state initialises.
+      precompiler = precompile_lib.start_run_programs(
+          cfg, scfg.stage_at(first), state_shapes, step_of_stage, evaluator, mesh,
+          memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices))
+    else:
+      print(f"note: StagesConfig.precompile is '{scfg.precompile}', but JAX's persistent "
+            "compilation cache is off (--compilation_cache_dir=''): each program compiles when "
+            "the run reaches it", file=sys.stderr)
+  try:   # the precompiler stops taking programs if the state cannot be built or restored
+    state = init_train_state(cfg, total_steps, mesh, lowered_cache_dir)[0]
+    changes = _config_changes(workdir, cfg)
+    try:
+      restored = ckpt.restore_latest(params=state.params, moe_state=state.moe_state,
+                                     opt_state=state.opt_state, rng=state.rng,
+                                     log=lambda line: print(f"warning: {line}", file=sys.stderr),
+                                     # checkpoints written before the decoder became a scan
+                                     convert=lambda item, tree: unrolled_to_scanned(tree,
+                                                                                    cfg.model))
+    except checkpoint_lib.IncompatibleCheckpointError as e:
+      ckpt.close()
+      settings = "; ".join(changes) or "none in config.gin (the code's parameter tree changed?)"
+      raise config_lib.ConfigError(
+          f"--workdir={workdir} holds a run whose checkpoints do not fit this config ({e}). "
+          f"Changed settings: {settings}. Use a new --workdir for the new config, or put the "
+          "settings back to resume this run.") from e
+    except checkpoint_lib.CorruptCheckpointError as e:
+      ckpt.close()
+      raise config_lib.ConfigError(
+          f"{e}. They were moved to {os.path.join(ckpt.directory, checkpoint_lib.CORRUPT_DIR)}; "
+          "re-run to start from step 0, or use a new --workdir.") from e
+    start = None if restored is None else int(restored["meta"]["step"])
+    if start is not None:
+      if changes:
+        print("note: the config differs from the one this run started with:\n  " +
+              "\n  ".join(changes), file=sys.stderr)
+      if restored["meta"]["data_position"] != start:
+        raise ValueError(f"checkpoint {start}: data_position "
+                         f"{restored['meta']['data_position']} != step")
+      state = TrainState(step=jnp.asarray(start, jnp.int32), params=restored["params"],
+                         opt_state=restored["opt_state"], moe_state=restored["moe_state"],
+                         rng=restored["rng"])
+      # Every leaf where the fresh state had it (the step counter too): arguments placed
+      # otherwise than at the first launch would make the resumed step compile again (~100 s on
+      # the GPU).
+      state = jax.device_put(state, state_sh)
+      print(f"resuming from step {start} (stage {scfg.stage_at(max(start - 1, 0))})")
+  except BaseException:
+    if precompiler is not None:
+      precompiler.close()
+    raise
   write_config(workdir, cfg)
   writer = metrics_lib.MetricsWriter(workdir, resume_step=start, tensorboard=tensorboard)
   writer.write_text("config", "```\n" + config_to_gin(cfg) + "```")
@@ -385,7 +411,6 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
 
   # MFU by the model FLOPs of each stage's row length (attention grows with it).
   stage_flops = {seq: flops_per_token(cfg.model, seq) for seq, _ in scfg.stages}
-  devices = 1 if mesh is None else mesh.devices.size
   peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops) * devices
 
   def save(step):
@@ -396,17 +421,6 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
 
   result = TrainResult(step=start, finished=start >= total_steps)
   last_loads, bar = None, None
-  precompiler = None
-  if (scfg.precompile == "on" or (scfg.precompile == "auto" and jax.default_backend() != "cpu")
-     ) and start < total_steps:
-    if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
-      precompiler = precompile_lib.start_run_programs(
-          cfg, scfg.stage_at(start), state, step_of_stage, evaluator, mesh,
-          memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices))
-    else:
-      print(f"note: StagesConfig.precompile is '{scfg.precompile}', but JAX's persistent "
-            "compilation cache is off (--compilation_cache_dir=''): each program compiles when "
-            "the run reaches it", file=sys.stderr)
 
   def ready(name: str) -> None:
     """Waits for a program that the precompiler may be compiling; says how it went, once."""
@@ -501,6 +515,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
       result.finished = step >= total_steps
       result.stopped_by_signal = stop.signum
   finally:
+    if precompiler is not None:
+      precompiler.close()
     if bar is not None:
       bar.close()
     ckpt.wait()
@@ -588,12 +604,17 @@ def main(argv):
                    lowered_cache_dir=os.path.join(cache_folder, "lowered") if cache_folder else "")
   except config_lib.ConfigError as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
+    precompile_lib.exit_process(2)
   except (NonFiniteLossError, StageOutOfMemoryError) as e:
     print(f"error: {e}", file=sys.stderr)
-    sys.exit(1)
-  if result.stopped_by_signal is not None:
-    sys.exit(128 + result.stopped_by_signal)
+    precompile_lib.exit_process(1)
+  except Exception:  # pylint: disable=broad-except
+    if not precompile_lib.background_work_running():
+      raise
+    traceback.print_exc()
+    precompile_lib.exit_process(1)
+  precompile_lib.exit_process(0 if result.stopped_by_signal is None
+                              else 128 + result.stopped_by_signal)
 
 
 def define_flags():

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 from flax import struct
 from jax._src import config as jax_config  # threefry_gpu_kernel_lowering has no public context
-from jax.sharding import Mesh
+from jax.sharding import Mesh, SingleDeviceSharding
 
 from k3jax import config as config_lib
 from k3jax import lowered_cache
@@ -187,6 +187,26 @@ def train_state_shapes(cfg: config_lib.Config, total_steps: int, lowered_cache_d
   _, abstract_vars, optimizer, schedule, assemble = _state_parts(cfg, total_steps,
                                                                  lowered_cache_dir)
   return jax.eval_shape(assemble, abstract_vars), optimizer, schedule
+
+
+def placed_train_state_shapes(cfg: config_lib.Config, total_steps: int,
+                              mesh: Optional[Mesh] = None, lowered_cache_dir: str = ""
+                              ) -> tuple[TrainState, optax.GradientTransformation, optax.Schedule]:
+  """`train_state_shapes` with each leaf's sharding where `init_train_state` places it (the
+  first device; with a mesh, `sharding.state_shardings`): a step lowered for these shapes is the
+  program that the initialised state's step runs, so it can compile while the state initialises
+  (`k3jax.train`)."""
+  _, abstract_vars, optimizer, schedule, assemble = _state_parts(cfg, total_steps,
+                                                                 lowered_cache_dir)
+  shapes = jax.eval_shape(assemble, abstract_vars)
+  if mesh is None:
+    shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), shapes)
+  else:
+    shardings = sharding_lib.state_shardings(shapes, abstract_vars, mesh)
+  placed = jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh,
+                                                           weak_type=x.weak_type),
+                        shapes, shardings)
+  return placed, optimizer, schedule
 
 
 def init_train_state(cfg: config_lib.Config, total_steps: int, mesh: Optional[Mesh] = None,

@@ -137,3 +137,62 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
     main_misses = [e for e in events if e[0] == "MainThread" and e[1] == "miss"]
     other = [e for e in events if e[0] != "MainThread" and e[1] == "miss"]
     assert (len(main_misses), len(other)) == expect, (mode, events)
+
+
+def test_close_drops_queued_programs_and_exit_process_leaves_while_one_is_running():
+  """After `close`, queued programs are cancelled (nothing compiles them); a process whose
+  background thread is still lowering exits at once through `exit_process`, with its code and
+  its printed output, instead of finalising the interpreter under the thread."""
+  script = textwrap.dedent("""
+      import sys, threading, time
+      import jax, jax.numpy as jnp
+      from k3jax import compiler, precompile
+      compiler.enable_compilation_cache(sys.argv[1])
+      x = jax.ShapeDtypeStruct((8,), jnp.float32)
+      pre = precompile.Precompiler(1)
+      started = threading.Event()
+      def slow_lower():
+        started.set()
+        time.sleep(60)
+        return jax.jit(jnp.sin).lower(x)
+      pre.submit("slow program", slow_lower)
+      pre.submit("queued program", lambda: jax.jit(jnp.cos).lower(x))
+      started.wait()
+      assert precompile.background_work_running()
+      pre.close()
+      print("queued program:", pre.wait("queued program"))
+      print("before exit", flush=False)
+      precompile.exit_process(3)
+  """)
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
+  import tempfile
+  import time
+  t0 = time.perf_counter()
+  with tempfile.TemporaryDirectory() as cache:
+    out = subprocess.run([sys.executable, "-c", script, cache], capture_output=True, text=True,
+                         timeout=120, env=env, cwd=_REPO)
+  assert out.returncode == 3, (out.returncode, out.stderr[-2000:])
+  assert ("queued program: {'error': 'cancelled: the precompiler was closed before it started'}"
+          in out.stdout and "before exit" in out.stdout), out.stdout
+  assert "leaving the programs still compiling in the background unfinished" in out.stderr
+  assert time.perf_counter() - t0 < 50   # did not wait for the 60-s lowering
+
+
+def test_idle_precompiler_lets_the_process_exit_normally(tmp_path):
+  script = textwrap.dedent("""
+      import sys
+      import jax, jax.numpy as jnp
+      from k3jax import compiler, precompile
+      compiler.enable_compilation_cache(sys.argv[1])
+      pre = precompile.Precompiler(2)
+      pre.submit("p", lambda: jax.jit(jnp.sin).lower(jax.ShapeDtypeStruct((8,), jnp.float32)))
+      pre.wait("p")
+      pre.close()
+      assert not precompile.background_work_running()
+      import atexit
+      atexit.register(lambda: print("atexit ran"))
+      precompile.exit_process(0)
+  """)
+  out = _python(script, str(tmp_path / "cache"))
+  assert "atexit ran" in out.stdout and "unfinished" not in out.stderr

@@ -464,3 +464,21 @@ def test_train_state_shapes_compile_the_step_that_the_state_runs():
   placed = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=device0), shapes)
   from_shapes = step.lower(placed, batch).compile().as_text()
   assert from_shapes == step.lower(state, batch).compile().as_text()
+
+
+@pytest.mark.parametrize("axes", ["", "data:2,expert:4"])
+def test_placed_train_state_shapes_are_where_the_initialisation_puts_the_state(axes):
+  """The shapes that the run's steps start compiling from before the state exists carry the
+  shapes, dtypes and shardings of the initialised state (one device; an 8-device CPU mesh)."""
+  cfg = tiny_config(f"MeshConfig.axes = '{axes}'", "ModelConfig.moe_num_experts = 8",
+                    "StagesConfig.tokens_per_step = 256")
+  mesh = train_lib.make_run_mesh(cfg)
+  shapes, _, _ = train_lib.placed_train_state_shapes(cfg, 10, mesh)
+  state, _, _ = train_lib.init_train_state(cfg, 10, mesh)
+  assert jax.tree.structure(shapes) == jax.tree.structure(state)
+  for s, x in zip(jax.tree.leaves(shapes), jax.tree.leaves(state)):
+    assert (s.shape, s.dtype) == (x.shape, x.dtype)
+    assert s.sharding == x.sharding, (s.sharding, x.sharding)
+  if mesh is not None:   # the routed experts are split over the expert axis, not replicated
+    assert any(len(s.sharding.device_set) > 1 and not s.sharding.is_fully_replicated
+               for s in jax.tree.leaves(shapes))

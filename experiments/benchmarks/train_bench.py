@@ -17,9 +17,14 @@ as it is known:
   result    step_ms (median of --steps timed steps after --warmup), tokens_per_s, tflops and mfu
             (k3jax.flops.flops_per_token at the row length, against --peak_tflops), peak_gib
             (the device allocator's peak_bytes_in_use), temp_gib (compiled step's temporaries),
-            init_s (initialisation: compile and run), trace_lower_s, compile_s (the step), first_
-            step_s, startup_s (process start -> first step finished), cache_entries_before /
-            _after (the persistent cache folder; equal when everything was read from it),
+            shapes_s (the state's shapes), init_s (initialisation: compile and run),
+            trace_lower_s, compile_s (the step), first_step_s, startup_s (process start ->
+            first step finished; the step traces and compiles in a background thread while the
+            state initialises, as in `python -m k3jax.train`: step_ready_after_init_s is when
+            it was compiled, counted from the initialisation's start, handoff_s its read back
+            from the caches; with --sequential_startup one after the other),
+            cache_entries_before / _after (the persistent cache folder; equal when everything
+            was read from it),
             loss_first / loss_last;
   memory    with --memory_report: the largest buffers alive at the compiled step's memory peak
             and the peak summed by model scope (hlo_memory.py);
@@ -254,26 +259,11 @@ def run_case(case: dict, args, process_start: float) -> dict:
   startup_trace = None
   # Traced and lowered programs kept beside the compiled ones, as `python -m k3jax.train` does.
   lowered_dir = os.path.join(args.cache_dir, "lowered") if args.cache_dir else ""
+  # The state's shapes, placed where the initialisation puts the state (the first device).
   t0 = time.perf_counter()
-  if args.compile_only:
-    # The step compiles against the state's shapes: nothing runs on the device, so a compile-only
-    # case can run beside a training process without competing for its memory, and starts faster.
-    shapes, optimizer, schedule = train_lib.train_state_shapes(cfg, cfg.stages.total_steps,
-                                                               lowered_cache_dir=lowered_dir)
-    # Placed as an initialised single-device state is: the caches key programs by their
-    # arguments' placement, so a compile-only case writes what a later run of the case reads.
-    state = precompile.placed_shapes(shapes, jax.sharding.SingleDeviceSharding(jax.devices()[0]))
-  else:
-    state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps,
-                                                            lowered_cache_dir=lowered_dir)
-    jax.block_until_ready(state)
-  init_s = time.perf_counter() - t0
-  if args.profile_startup:
-    # From after the initialisation: with the profiler started before it, the initialisation's
-    # threefry kernel failed with 'unspecified launch failure' on the H200 (3 runs of 3, one of
-    # them alone on the GPU; RESULTS.md, run 12). Lowering and compiling are most of a start-up.
-    startup_trace = os.path.join(args.profile_startup, f"{name}_run{args.run}_startup")
-    jax.profiler.start_trace(startup_trace)
+  shapes, optimizer, schedule = train_lib.placed_train_state_shapes(
+      cfg, cfg.stages.total_steps, lowered_cache_dir=lowered_dir)
+  shapes_s = time.perf_counter() - t0
   step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule,
                                       lowered_cache_dir=lowered_dir,
                                       total_steps=cfg.stages.total_steps)
@@ -281,10 +271,52 @@ def run_case(case: dict, args, process_start: float) -> dict:
                       args.doc_len, seed=i) for i in range(2)]
   # Committed to device 0, as the training loop places its batches: a compile-only case's
   # program is then the one a later run of the case finds in the compile cache.
-  batches = [jax.device_put(b, jax.devices()[0]) for b in host]
+  device0 = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  batches = [jax.device_put(b, device0) for b in host]
   docs = float(np.mean([b["segment_ids"].max(axis=1).mean() for b in host]))
-
-  compiled, trace_lower_s, compile_s = lower_and_compile(step_fn, state, batches[0])
+  overlap = not (args.compile_only or args.profile_startup or args.sequential_startup
+                 or not args.cache_dir)   # the compiled step is handed over through the cache
+  init_s = 0.0
+  if overlap:
+    # As `python -m k3jax.train` starts (StagesConfig.precompile): the step traces and compiles
+    # in a background thread from the state's shapes while the state initialises; the step is
+    # then read back from the caches (handoff_s).
+    precompiler = precompile.Precompiler(1)
+    precompiler.submit("step", lambda: step_fn.lower(shapes, precompile.batch_shapes(
+        batch, seq_len, device0)))
+    t0 = time.perf_counter()
+    state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps,
+                                             lowered_cache_dir=lowered_dir)
+    jax.block_until_ready(state)
+    init_s = time.perf_counter() - t0
+    report = precompiler.wait("step")
+    if "error" in report:
+      raise RuntimeError(f"the background compile failed: {report['error']}")
+    ready_s = time.perf_counter() - t0
+    trace_lower_s, compile_s = report["lower_s"], report["compile_s"]
+    t0 = time.perf_counter()
+    compiled = step_fn.lower(state, batches[0]).compile()
+    handoff_s = time.perf_counter() - t0
+    precompiler.close()
+  else:
+    if args.compile_only:
+      # Nothing runs on the device, so a compile-only case can run beside a training process
+      # without competing for its memory, and starts faster.
+      state = shapes
+    else:
+      t0 = time.perf_counter()
+      state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps,
+                                               lowered_cache_dir=lowered_dir)
+      jax.block_until_ready(state)
+      init_s = time.perf_counter() - t0
+    if args.profile_startup:
+      # From after the initialisation: with the profiler started before it, the
+      # initialisation's threefry kernel failed with 'unspecified launch failure' on the H200
+      # (3 runs of 3, one of them alone on the GPU; RESULTS.md, run 12).
+      startup_trace = os.path.join(args.profile_startup, f"{name}_run{args.run}_startup")
+      jax.profiler.start_trace(startup_trace)
+    compiled, trace_lower_s, compile_s = lower_and_compile(step_fn, state, batches[0])
+    ready_s = handoff_s = None
   if startup_trace:
     jax.profiler.stop_trace()
     emit(event="startup_profile", case=name, logdir=startup_trace,
@@ -296,8 +328,11 @@ def run_case(case: dict, args, process_start: float) -> dict:
   temp_by_program = {k: round(m.temp_size_in_bytes / 2**30, 2) for k, m in memories.items()
                      if m is not None}
   temp_gib = max(temp_by_program.values()) if temp_by_program else None
-  emit(event="progress", case=name, init_s=round(init_s, 2), trace_lower_s=round(trace_lower_s, 2),
-       compile_s=round(compile_s, 2), temp_gib=temp_gib, temp_gib_by_program=temp_by_program)
+  overlapped = ({} if ready_s is None else
+                dict(step_ready_after_init_s=round(ready_s, 2), handoff_s=round(handoff_s, 2)))
+  emit(event="progress", case=name, shapes_s=round(shapes_s, 2), init_s=round(init_s, 2),
+       trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2), **overlapped,
+       temp_gib=temp_gib, temp_gib_by_program=temp_by_program)
   if args.memory_report:
     sys.path.insert(0, _HERE)
     import hlo_memory
@@ -305,7 +340,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
         os.environ["K3JAX_BENCH_DUMP"], "train_step", top=args.memory_top,
         depth=args.memory_depth))
   if args.compile_only:
-    return dict(case=name, compile_only=True, init_s=round(init_s, 2),
+    return dict(case=name, compile_only=True, shapes_s=round(shapes_s, 2),
                 trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
                 temp_gib=temp_gib)
 
@@ -337,8 +372,8 @@ def run_case(case: dict, args, process_start: float) -> dict:
              gflops_per_token=_sig(flops_per_token / 1e9), tflops=_sig(tflops),
              mfu=_sig(tflops / args.peak_tflops), peak_tflops=args.peak_tflops,
              peak_gib=_peak_gib(), temp_gib=temp_gib, temp_gib_by_program=temp_by_program,
-             init_s=round(init_s, 2),
-             trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
+             shapes_s=round(shapes_s, 2), init_s=round(init_s, 2),
+             trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2), **overlapped,
              first_step_s=round(first_step_s, 2), startup_s=round(startup_s, 2),
              cache_entries_before=entries_before,
              cache_entries_after=_cache_entries(args.cache_dir),
@@ -468,6 +503,9 @@ def main(argv=None) -> int:
                  help="--memory_report: path parts of a scope (4: model/period/layer/module)")
   p.add_argument("--no_warm_rerun", action="store_true",
                  help="run each case once (cold); long cases take minutes a step")
+  p.add_argument("--sequential_startup", action="store_true",
+                 help="initialise the state, then trace and compile the step (the start-up "
+                      "before the training CLI overlapped them); --profile_startup implies it")
   p.add_argument("--compile_only", action="store_true",
                  help="stop each case after compiling the step against the state's shapes (no "
                       "state is initialised, no step runs)")
