@@ -102,6 +102,7 @@ class Precompiler:
     self._memory_advice = memory_advice
     self._limit = device_bytes_limit() if memory_advice is not None else None
     self._futures: dict[str, concurrent.futures.Future] = {}
+    self._lowered: dict[str, threading.Event] = {}
     self._to_lower: queue.Queue = queue.Queue()
     self._to_compile: queue.Queue = queue.Queue()
     self._closed = threading.Event()
@@ -114,7 +115,16 @@ class Precompiler:
     if name in self._futures:
       raise ValueError(f"{name!r} was submitted already")
     future = self._futures[name] = concurrent.futures.Future()
+    self._lowered[name] = threading.Event()
     self._to_lower.put((name, lower, future))
+
+  def wait_lowered(self, name: Describe) -> None:
+    """Blocks until `name` is traced and lowered (or failed to be, or was dropped by `close`):
+    from then on its compile releases Python's lock, so the caller's own tracing (the state's
+    initialisation) does not slow the program's tracing down. No-op for a name never submitted."""
+    event = self._lowered.get(name)
+    if event is not None:
+      event.wait()
 
   def close(self) -> None:
     """Drops the programs not yet started (their waits raise CancelledError); a lowering or a
@@ -127,6 +137,7 @@ class Precompiler:
         except queue.Empty:
           break
         item[-1].cancel()
+        self._lowered[item[0]].set()
 
   def _take(self, q: queue.Queue):
     """The next job of `q`, with this thread marked as working; None (the job cancelled) once
@@ -134,6 +145,7 @@ class Precompiler:
     item = q.get()
     if self._closed.is_set():
       item[-1].cancel()
+      self._lowered[item[0]].set()
       return None
     threading.current_thread().k3jax_working = True
     return item
@@ -150,6 +162,7 @@ class Precompiler:
         future.set_exception(e)
       finally:
         threading.current_thread().k3jax_working = False
+        self._lowered[name].set()
 
   def _compile_loop(self):
     while True:

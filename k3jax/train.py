@@ -354,10 +354,16 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   if (scfg.precompile == "on" or (scfg.precompile == "auto" and jax.default_backend() != "cpu")
      ) and first < total_steps:
     if jax.config.jax_enable_compilation_cache and jax.config.jax_compilation_cache_dir:
-      # From here on the first stage's step traces and compiles while the state initialises.
+      # The first stage's step compiles while the state initialises. Its tracing goes first,
+      # alone: traced beside the initialisation's own tracing (Python's lock), small.gin's step
+      # took 24.6 s to trace on the H200 instead of 14.5 (RESULTS.md, run 13); its compile
+      # releases the lock.
       precompiler = precompile_lib.start_run_programs(
           cfg, scfg.stage_at(first), state_shapes, step_of_stage, evaluator, mesh,
           memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices))
+      first_stage = scfg.stage_at(first)
+      precompiler.wait_lowered(precompile_lib.train_program_name(
+          first_stage, scfg.stages[first_stage][0]))
     else:
       print(f"note: StagesConfig.precompile is '{scfg.precompile}', but JAX's persistent "
             "compilation cache is off (--compilation_cache_dir=''): each program compiles when "

@@ -196,3 +196,34 @@ def test_idle_precompiler_lets_the_process_exit_normally(tmp_path):
   """)
   out = _python(script, str(tmp_path / "cache"))
   assert "atexit ran" in out.stdout and "unfinished" not in out.stderr
+
+
+def test_wait_lowered_returns_once_traced_while_the_compile_goes_on(tmp_path):
+  """`wait_lowered` lets the caller start its own tracing as soon as the program is lowered; the
+  compile is still running then (its report comes from `wait`)."""
+  script = textwrap.dedent("""
+      import json, sys, threading, time
+      import jax, jax.numpy as jnp
+      from k3jax import compiler, precompile
+      compiler.enable_compilation_cache(sys.argv[1])
+      x = jax.ShapeDtypeStruct((8,), jnp.float32)
+      pre = precompile.Precompiler(1)
+      release = threading.Event()
+      class SlowCompile:
+        def __init__(self, lowered):
+          self.lowered = lowered
+        def compile(self):
+          release.wait(60)
+          return self.lowered.compile()
+      pre.submit("p", lambda: SlowCompile(jax.jit(jnp.sin).lower(x)))
+      t0 = time.perf_counter()
+      pre.wait_lowered("p")
+      pre.wait_lowered("never submitted")
+      lowered_after = time.perf_counter() - t0
+      release.set()
+      report = pre.wait("p")
+      print(json.dumps({"lowered_after": lowered_after, "report": report}))
+  """)
+  out = _python(script, str(tmp_path / "cache"))
+  result = json.loads(out.stdout.strip().splitlines()[-1])
+  assert result["lowered_after"] < 30 and "error" not in result["report"], result

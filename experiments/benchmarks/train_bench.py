@@ -19,8 +19,9 @@ as it is known:
             (the device allocator's peak_bytes_in_use), temp_gib (compiled step's temporaries),
             shapes_s (the state's shapes), init_s (initialisation: compile and run),
             trace_lower_s, compile_s (the step), first_step_s, startup_s (process start ->
-            first step finished; the step traces and compiles in a background thread while the
-            state initialises, as in `python -m k3jax.train`: step_ready_after_init_s is when
+            first step finished; the step is traced in a background thread, then compiled
+            there while the state initialises, as in `python -m k3jax.train`:
+            step_ready_after_init_s is when
             it was compiled, counted from the initialisation's start, handoff_s its read back
             from the caches; with --sequential_startup one after the other),
             cache_entries_before / _after (the persistent cache folder; equal when everything
@@ -284,6 +285,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
     precompiler = precompile.Precompiler(1)
     precompiler.submit("step", lambda: step_fn.lower(shapes, precompile.batch_shapes(
         batch, seq_len, device0)))
+    precompiler.wait_lowered("step")   # the tracing alone first, as the CLI does
     t0 = time.perf_counter()
     state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps,
                                              lowered_cache_dir=lowered_dir)
