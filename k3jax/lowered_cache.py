@@ -284,19 +284,33 @@ def load_kernel_runtimes(targets: Sequence[str]) -> list[str]:
   return modules
 
 
-def _read_entry(path: str, key_json: str) -> tuple[Any, jax.tree_util.PyTreeDef]:
-  """(Exported, output treedef) of the entry at `path`, with the runtimes of its kernels loaded
-  (`load_kernel_runtimes`); raises on anything wrong with it."""
-  with open(path, "rb") as f:
-    data = f.read()
+def _split_entry(data: bytes) -> tuple[dict, bytes]:
+  """(header, payload) of an entry's bytes; raises ValueError for anything else."""
   if not data.startswith(_MAGIC):
     raise ValueError(f"not a {FORMAT} entry")
   start = len(_MAGIC) + 8
   head_len = int.from_bytes(data[len(_MAGIC):start], "big")
   if start + head_len > len(data):
     raise ValueError("truncated header")
-  header = json.loads(data[start:start + head_len])
-  payload = data[start + head_len:]
+  return json.loads(data[start:start + head_len]), data[start + head_len:]
+
+
+def read_header(path: str) -> dict:
+  """The header of the entry at `path` (its key JSON, function, custom-call targets, export
+  time, creation time) without reading the program; raises ValueError for another file."""
+  with open(path, "rb") as f:
+    head = f.read(len(_MAGIC) + 8)
+    if not head.startswith(_MAGIC) or len(head) < len(_MAGIC) + 8:
+      raise ValueError(f"{path} is not a {FORMAT} entry")
+    head_len = int.from_bytes(head[len(_MAGIC):], "big")
+    return _split_entry(head + f.read(head_len))[0]
+
+
+def _read_entry(path: str, key_json: str) -> tuple[Any, jax.tree_util.PyTreeDef]:
+  """(Exported, output treedef) of the entry at `path`, with the runtimes of its kernels loaded
+  (`load_kernel_runtimes`); raises on anything wrong with it."""
+  with open(path, "rb") as f:
+    header, payload = _split_entry(f.read())
   if header.get("key") != key_json:
     raise ValueError("the stored key differs from this call's (a hash collision?)")
   if hashlib.sha256(payload).hexdigest() != header.get("payload_sha256"):

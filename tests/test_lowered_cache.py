@@ -376,3 +376,28 @@ def test_cached_abstract_damaged_entry_is_rebuilt_and_other_trees_run_uncached(t
   with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
     odd = lowered_cache.cached_abstract(str(tmp_path), "odd", lambda: {"x": np.zeros(3)})
   assert isinstance(odd["x"], np.ndarray) and "not cached" in caplog.text
+
+
+def test_lowered_cache_keys_names_what_made_a_second_entry(tmp_path):
+  """The diagnosis tool lists a function's entries and, for the second, the key fields that
+  differ from the first: here the description and the batch's leading dimension."""
+  sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "experiments", "benchmarks"))
+  import lowered_cache_keys
+  fun = CountingStep()
+  lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy a")(
+      toy_state(), toy_batch(rows=2))
+  lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy b")(
+      toy_state(), toy_batch(rows=5))
+  found = lowered_cache_keys.report(str(tmp_path))
+  [(function, rows)] = found.items()
+  assert len(rows) == 2 and rows[0][2] == []
+  diffs = rows[1][2]
+  assert any(d.startswith('/description: "toy a" -> "toy b"') for d in diffs), diffs
+  # The batch leaf's leading dimension (the rest of its spec and the state's leaves are equal).
+  assert [d for d in diffs if d.startswith("/args[")] == [
+      d for d in diffs if d.startswith("/args[") and d.endswith("[0][0]: 2 -> 5")] != [], diffs
+  header = lowered_cache.read_header(os.path.join(str(tmp_path), rows[0][0]))
+  assert header["function"] == function and json.loads(header["key"])["description"] == "toy a"
+  with pytest.raises(ValueError, match="not a"):
+    (tmp_path / "other.jaxexport").write_bytes(b"something else entirely")
+    lowered_cache.read_header(str(tmp_path / "other.jaxexport"))
