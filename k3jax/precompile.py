@@ -127,8 +127,8 @@ class Precompiler:
       event.wait()
 
   def close(self) -> None:
-    """Drops the programs not yet started (their waits raise CancelledError); a lowering or a
-    compile already running goes on in its thread."""
+    """Drops the programs not yet started (`wait` gives them a report with "error": cancelled);
+    a lowering or a compile already running goes on in its thread."""
     self._closed.set()
     for q in (self._to_lower, self._to_compile):
       while True:
