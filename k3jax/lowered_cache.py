@@ -208,11 +208,29 @@ def _stable_repr(value: Any) -> str:
   return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
 
 
+# Libraries that register JAX user contexts (`jax.make_user_context`) when they are imported:
+# each adds an entry to JAX's trace context, so a key computed before their import differs from
+# one computed after. tokamax registers one per config option, and k3jax imports it on first use.
+# A cold launch of small.gin on the H200 imported it while building the state's shapes, and
+# computed every later key with its entries; the warm re-run read those shapes from this cache,
+# had not imported it, and missed everything after (RESULTS.md, run 13). They are imported before
+# any key is computed.
+_CONTEXT_REGISTERING_MODULES = ("tokamax",)
+
+
+@functools.lru_cache(maxsize=None)
+def _import_context_registering_modules() -> None:
+  for name in _CONTEXT_REGISTERING_MODULES:
+    importlib.import_module(name)
+
+
 def _trace_context() -> list:
   """JAX's trace context (the config flags and context managers that change a trace, the current
-  mesh among them) and flax's logical axis rules, which the model's sharding constraints and the
-  expert-parallel dispatch read at trace time."""
+  mesh among them, and the user contexts of `_CONTEXT_REGISTERING_MODULES`, imported first) and
+  flax's logical axis rules, which the model's sharding constraints and the expert-parallel
+  dispatch read at trace time."""
   import flax.linen as nn
+  _import_context_registering_modules()
   context = [[name, _stable_repr(value)] for name, value in
              zip(jax_config.trace_context_names(), jax_config.trace_context())]
   context.append(["flax_logical_axis_rules", _stable_repr(nn.get_logical_axis_rules())])
