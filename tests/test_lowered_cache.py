@@ -430,3 +430,34 @@ def test_key_context_does_not_depend_on_what_was_imported_before(import_first):
   assert ref.returncode == 0, ref.stderr[-2000:]
   assert context == json.loads(ref.stdout.strip().splitlines()[-1])
   assert sum(name == "user_context" for name, _ in context) >= 2   # tokamax's are there
+
+
+_WARM_LAUNCH = textwrap.dedent("""
+    import json, sys
+    from k3jax import config as config_lib, precompile, train as train_lib
+    from testlib import TINY_RUN_BINDINGS
+    cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS + [
+        "ModelConfig.moe_grouped_matmul = 'tokamax'"])
+    # As a launch starts: the state's shapes (cached: only the cold launch traces the model,
+    # which imports tokamax for the grouped matmul), then the step lowered against them.
+    shapes, opt, sched = train_lib.placed_train_state_shapes(cfg, 10, lowered_cache_dir=sys.argv[1])
+    step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), opt, sched,
+                                     lowered_cache_dir=sys.argv[1], total_steps=10)
+    step.lower(shapes, precompile.batch_shapes(cfg.stages.batch_size(0), cfg.stages.stages[0][0]))
+    print(json.dumps({"hits": step.hits, "misses": step.misses,
+                      "tokamax": "tokamax" in sys.modules}))
+""")
+
+
+@pytest.mark.slow
+def test_a_warm_launch_hits_when_the_cold_one_imported_tokamax_while_tracing(tmp_path):
+  """The cold launch imports tokamax while tracing the state's shapes; the warm one reads the
+  shapes from the cache and never traces the model: its step still finds the cold launch's entry
+  (tokamax's JAX user contexts are in both keys)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
+  runs = [json.loads(subprocess.run(
+      [sys.executable, "-c", _WARM_LAUNCH, str(tmp_path)], env=env, capture_output=True,
+      text=True, check=True, timeout=600, cwd=REPO).stdout.strip().splitlines()[-1])
+      for _ in range(2)]
+  assert [(r["hits"], r["misses"]) for r in runs] == [(0, 1), (1, 0)], runs
