@@ -22,7 +22,9 @@ versions; backend, platform version, device kinds and counts; a digest of every 
 k3jax/ and pallas_kernels/, so any code change misses; the function's name; the caller's
 `description`, which must name everything the function closes over that the sources do not fix,
 e.g. repr of the Config and the optimizer's total steps; donate_argnums and shardings; JAX's
-trace context (config flags that change tracing, the current mesh) and flax's logical axis rules;
+trace context (config flags that change tracing, the current mesh, the user contexts that tokamax
+registers at import: it is imported first, so that no key depends on whether it was) and flax's
+logical axis rules;
 the arguments' pytree structure and, per leaf, shape, dtype, weak type and sharding). The entry
 stores that JSON too and a hit requires it to be equal, so even a sha256 collision could not
 return another program. An entry that cannot be read, checked or deserialized is reported in one
