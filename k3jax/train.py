@@ -16,6 +16,8 @@ How the pieces fit:
   * A non-finite loss or gradient norm stops the run before anything of that step is saved.
   * Outputs: DIR/config.gin + config.json (the operative config), metrics.jsonl, tb/ (TensorBoard),
     eval.json and plots/ at the end.
+  * Elsewhere: the step and the state (`k3jax/train_step.py`), the data of a run
+    (`k3jax/run_data.py`), the programs compiled ahead (`k3jax/precompile.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import signal
 import sys
 import threading
 import traceback
-from typing import Any, Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -43,20 +45,14 @@ from k3jax import metrics as metrics_lib
 from k3jax import plots
 from k3jax import precompile as precompile_lib
 from k3jax import sharding as sharding_lib
-from k3jax.data import packing
-from k3jax.data import synthetic
-from k3jax.data.corpus import load_corpus
-from k3jax.data.tokenizers import make_tokenizer
 from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_layer
-from k3jax.evaluate import bytes_per_token
 from k3jax.flops import flops_per_token
 from k3jax.model import K3Model, unrolled_to_scanned
 # The step and the state live in k3jax.train_step; re-exported here, where callers have found them.
 from k3jax.train_step import (TrainState, init_train_state, make_train_step,  # noqa: F401
                               placed_train_state_shapes, train_state_shapes)  # noqa: F401
-
-# Rows drawn per MQAR validation batch come from rng streams disjoint from the training steps'.
-_SYNTHETIC_VALIDATION_OFFSET = 1 << 40
+# The run's data lives in k3jax.run_data; re-exported here, where callers have found it.
+from k3jax.run_data import Data, make_data  # noqa: F401
 
 
 class NonFiniteLossError(RuntimeError):
@@ -91,23 +87,6 @@ def out_of_memory_message(cfg: config_lib.Config, stage: int, mesh_devices: int 
           + (f"; or a larger --device_memory_fraction (now {device_memory.current_fraction()})."
              if jax.default_backend() == "gpu" else "."))
 
-
-class Data(NamedTuple):
-  """The run's data, whatever the source.
-
-  train_iterator(start_step) yields the batches of steps start_step, start_step + 1, ...;
-  validation_batches(seq_len, batch_size, num_batches) gives fixed validation batches.
-  """
-  train_iterator: Callable[[int], Any]
-  validation_batches: Callable[[int, int, int], list]
-  tokenizer: Any
-  filler_tokens: Optional[np.ndarray]   # passkey filler (validation text), None: fixed sentence
-  bytes_per_token: float
-
-
-# ------------------------------------------------------------------------------------------------
-# Set-up
-# ------------------------------------------------------------------------------------------------
 
 def config_from_flags(gin_files: Sequence[str], gin_bindings: Sequence[str], mesh: str = ""
                       ) -> config_lib.Config:
@@ -149,59 +128,6 @@ def _config_changes(workdir: str, cfg: config_lib.Config) -> list[str]:
     return []
   with open(path) as f:
     return checkpoint_lib.config_differences(f.read(), config_to_gin(cfg))
-
-
-def make_data(cfg: config_lib.Config) -> Data:
-  """Loads the corpus (or sets up the synthetic task) of `cfg.data`.
-
-  Raises ConfigError (naming the DataConfig setting) when the data cannot be loaded.
-  """
-  dcfg, scfg = cfg.data, cfg.stages
-  seq_len_fn = packing.StageSeqLen(scfg)
-  try:
-    if dcfg.source in ("mqar", "passkey"):
-      tokenizer = make_tokenizer(dcfg.tokenizer, dcfg.tokenizer_path)
-
-      def validation_batches(seq_len, batch_size, num_batches):
-        rngs = [np.random.default_rng([dcfg.seed, _SYNTHETIC_VALIDATION_OFFSET + i])
-                for i in range(num_batches)]
-        if dcfg.source == "mqar":
-          return [synthetic.mqar_batch(r, batch_size, seq_len, cfg.model.vocab_size, 8)
-                  for r in rngs]
-        return [synthetic.passkey_batch(r, batch_size, seq_len, tokenizer) for r in rngs]
-
-      def train_iterator(start_step):
-        return packing.make_train_iterator(dcfg, scfg.tokens_per_step, seq_len_fn, start_step,
-                                           num_steps=scfg.total_steps,
-                                           vocab_size=cfg.model.vocab_size)
-      if dcfg.source == "passkey":
-        _check_vocab(cfg, tokenizer)
-      bpt = 1.0 if dcfg.tokenizer == "byte" else float("nan")
-      return Data(train_iterator, validation_batches, tokenizer, None, bpt)
-
-    corpus = load_corpus(dcfg)
-    packing.check_train_size(corpus.train_tokens.size, scfg.tokens_per_step, dcfg)
-    packing.check_validation_size(corpus.valid_tokens.size, max(t for t, _ in scfg.stages), dcfg,
-                                  corpus.train_tokens.size + corpus.valid_tokens.size)
-  except ValueError as e:
-    raise config_lib.ConfigError(str(e)) from e
-
-  def validation_batches(seq_len, batch_size, num_batches):
-    return packing.validation_batches(corpus, seq_len, batch_size, num_batches)
-
-  def train_iterator(start_step):
-    return packing.make_train_iterator(dcfg, scfg.tokens_per_step, seq_len_fn, start_step,
-                                       corpus=corpus, num_steps=scfg.total_steps)
-  _check_vocab(cfg, corpus.tokenizer)
-  filler = corpus.valid_tokens if corpus.valid_tokens.size else None
-  return Data(train_iterator, validation_batches, corpus.tokenizer, filler, bytes_per_token(corpus))
-
-
-def _check_vocab(cfg: config_lib.Config, tokenizer) -> None:
-  if tokenizer.vocab_size > cfg.model.vocab_size:
-    raise config_lib.ConfigError(
-        f"ModelConfig.vocab_size = {cfg.model.vocab_size} is not allowed: it must be at least the "
-        f"tokenizer's vocab_size {tokenizer.vocab_size} ({tokenizer!r})")
 
 
 def stage_ends(stages_cfg: config_lib.StagesConfig) -> list[int]:
