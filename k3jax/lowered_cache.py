@@ -401,6 +401,9 @@ class LoweredCachedFunction:
                       f"keyword arguments {sorted(kwargs)}")
     leaves, in_tree = jax.tree.flatten(args)
     specs = tuple(_LeafSpec.of(x) for x in leaves)
+    # Before reading the trace context: the first key's imports would change it under the next
+    # call's signature otherwise.
+    _import_context_registering_modules()
     signature = (in_tree, specs, tuple(jax_config.trace_context()))
     program = self._programs.get(signature)
     if program is None:
