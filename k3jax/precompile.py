@@ -57,12 +57,11 @@ def batch_shapes(batch_size: int, seq_len: int, sharding=None) -> dict:
           "segment_ids": shape(jnp.int32), "loss_mask": shape(jnp.float32)}
 
 
-def placed_shapes(tree, sharding=None):
-  """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs), each with `sharding`, or
-  where None its leaf's own sharding."""
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(
-      x.shape, x.dtype, weak_type=x.weak_type,
-      sharding=x.sharding if sharding is None else sharding), tree)
+def placed_shapes(tree):
+  """ShapeDtypeStructs of a tree of arrays (or of ShapeDtypeStructs), each with its leaf's own
+  sharding."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type,
+                                                     sharding=x.sharding), tree)
 
 
 def device_bytes_limit() -> Optional[int]:
