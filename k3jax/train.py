@@ -284,10 +284,10 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
       # alone: traced beside the initialisation's own tracing (Python's lock), small.gin's step
       # took 24.6 s to trace on the H200 instead of 14.5 (RESULTS.md, run 13); its compile
       # releases the lock.
-      precompiler = precompile_lib.start_run_programs(
-          cfg, scfg.stage_at(first), state_shapes, step_of_stage, evaluator, mesh,
-          memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices))
       first_stage = scfg.stage_at(first)
+      precompiler = precompile_lib.start_run_programs(
+          cfg, first_stage, state_shapes, step_of_stage, evaluator, mesh,
+          memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices))
       precompiler.wait_lowered(precompile_lib.train_program_name(
           first_stage, scfg.stages[first_stage][0]))
     else:

@@ -21,9 +21,9 @@ as it is known:
             trace_lower_s, compile_s (the step), first_step_s, startup_s (process start ->
             first step finished; the step is traced in a background thread, then compiled
             there while the state initialises, as in `python -m k3jax.train`:
-            step_ready_after_init_s is when
-            it was compiled, counted from the initialisation's start, handoff_s its read back
-            from the caches; with --sequential_startup one after the other),
+            step_ready_after_init_s is when it was compiled, counted from the initialisation's
+            start, handoff_s its read back from the caches; with --sequential_startup one after
+            the other),
             cache_entries_before / _after (the persistent cache folder; equal when everything
             was read from it),
             loss_first / loss_last;
@@ -279,9 +279,9 @@ def run_case(case: dict, args, process_start: float) -> dict:
                  or not args.cache_dir)   # the compiled step is handed over through the cache
   init_s = 0.0
   if overlap:
-    # As `python -m k3jax.train` starts (StagesConfig.precompile): the step traces and compiles
-    # in a background thread from the state's shapes while the state initialises; the step is
-    # then read back from the caches (handoff_s).
+    # As `python -m k3jax.train` starts (StagesConfig.precompile): the step is traced in a
+    # background thread from the state's shapes, then compiled there while the state
+    # initialises; the step is then read back from the caches (handoff_s).
     precompiler = precompile.Precompiler(1)
     precompiler.submit("step", lambda: step_fn.lower(shapes, precompile.batch_shapes(
         batch, seq_len, device0)))
