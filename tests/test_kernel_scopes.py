@@ -28,6 +28,16 @@ def test_module_kind_reads_the_first_module_in_the_path():
   assert kernel_scopes.module_kind("jit(s)/adam/mul") == "optimizer/loss/other"
 
 
+def test_module_kind_gives_the_scans_own_ops_their_kind():
+  """The writes of a scan iteration's saved activations carry no module in their path: they are
+  the decoder scan's, not the optimizer's (run 14 counted them as 'optimizer/loss/other')."""
+  dus = ("jit(train_step)/call_exported/jit(train_step)/jvp(K3Model)/while/body/"
+         "jit(dynamic_update_index_in_dim)/dynamic_update_slice")
+  assert kernel_scopes.module_kind(dus) == kernel_scopes.SCAN_KIND
+  inside = "jit(s)/transpose(jvp(K3Model))/while/body/scanned_period_4/layer_2/kda/dot"
+  assert kernel_scopes.module_kind(inside) == "kda"
+
+
 def test_attribute_sums_by_scope_and_kind():
   info = hlo_memory.instruction_info(HLO)
   ops = {"fusion.3": 10, "custom-call.7": 20, "loop_add_fusion_12": 5, "custom-call.9": 7,

@@ -6,7 +6,8 @@ HLO gives that instruction's op_name, the JAX path of the operation it computes,
 'jit(train_step)/transpose(jvp(K3Model))/scanned_period_4/layer_2/moe/...'. `attribute` sums the
 time by scope (`hlo_memory.scope_of`, 'bwd:' for the backward pass) and by module kind: the first
 path part that names one of the decoder's modules ('moe', 'kda', 'mla', the dense 'ffn', AttnRes's
-depth mixes, the norms), 'optimizer/loss/other' for ops outside them. Kernels without an
+depth mixes, the norms); a loop body's ops outside them are the decoder scan's own (SCAN_KIND);
+'optimizer/loss/other' for the rest. Kernels without an
 instruction are classified by name (tokamax's ragged_* kernels are the MoE's grouped matmul, kda_*
 the KDA kernels, memcpy the copies).
 """
@@ -30,11 +31,21 @@ _BY_KERNEL_NAME = ((re.compile(r"ragged"), "moe"), (re.compile(r"^kda_"), "kda")
                    (re.compile(r"^nvjet|xmma|cutlass|gemm"), "gemm (module unknown)"))
 
 
+# Ops of a `while` body (the decoder's scan) that no module owns: the scan's own work, chiefly the
+# writes of each iteration's saved activations into their stacked buffers (dynamic_update_slice)
+# and the backward's reads of them.
+SCAN_KIND = "decoder scan (saved activations)"
+
+
 def module_kind(op_name: str) -> str:
-  """The decoder module an op_name belongs to (MODULE_KINDS' values), else 'optimizer/loss/other'."""
-  for part in re.split(r"[/()]", op_name.split(";")[0]):
+  """The decoder module an op_name belongs to (MODULE_KINDS' values); SCAN_KIND for a loop body's
+  op outside every module; else 'optimizer/loss/other'."""
+  parts = re.split(r"[/()]", op_name.split(";")[0])
+  for part in parts:
     if part in MODULE_KINDS:
       return MODULE_KINDS[part]
+  if "while" in parts:
+    return SCAN_KIND
   return "optimizer/loss/other"
 
 
