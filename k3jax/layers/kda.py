@@ -91,7 +91,7 @@ class KDALayer(nn.Module):
     k = conv("k_conv", k.reshape(b, t, h * dk)).reshape(b, t, h, dk)
     v = conv("v_conv", v.reshape(b, t, h * dv)).reshape(b, t, h, dv)
 
-    # Decay gate (fp32).
+    # The decay gate's pre-activation; chunk_kda forms g = kda_gate(gate_x, ...) from it.
     if cfg.kda_gate_rank > 0:
       f_a = config_weight(self, "f_a_proj", (d, cfg.kda_gate_rank), ("embed", None))
       f_b = config_weight(self, "f_b_proj", (cfg.kda_gate_rank, h, dk), (None, "heads", "head_dim"))
@@ -102,17 +102,22 @@ class KDALayer(nn.Module):
     bounded = cfg.kda_gate_lower_bound is not None
     a_log = logical_param(self, "A_log", (h,), ("heads",), a_log_init(bounded), jnp.float32)
     dt_bias = logical_param(self, "dt_bias", (h * dk,), ("heads",), dt_bias_init, jnp.float32)
-    g = kda_gate(gate_x, a_log, dt_bias, lower_bound=cfg.kda_gate_lower_bound)
-    self.sow("intermediates", "gate", g)
+    gate_params = dict(A_log=a_log, dt_bias=dt_bias, lower_bound=cfg.kda_gate_lower_bound)
+    if self.is_mutable_collection("intermediates"):
+      self.sow("intermediates", "gate", kda_gate(gate_x, **gate_params))
 
     beta = jax.nn.sigmoid(
         jnp.einsum("btd,dh->bth", x, config_weight(self, "b_proj", (d, h), ("embed", "heads")))
         .astype(jnp.float32))
 
     if not decode:
-      o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=segment_ids,
-                       chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend)
+      # The gate fused into the chunked kernels: g = kda_gate(gate_x, ...) is formed inside them
+      # (on the Pallas path, one static kernel variant for the bounded gate and no fp32 decay
+      # written, read back or saved for the backward; the XLA path computes kda_gate first).
+      o, _ = chunk_kda(q, k, v, gate_x, beta, use_qk_l2norm=True, segment_ids=segment_ids,
+                       chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend, **gate_params)
     else:
+      g = kda_gate(gate_x, **gate_params)
       state = self.variable("cache", "kda_state", jnp.zeros, (b, h, dk, dv), jnp.float32)
       if not stepping:  # init: size the cache, leave it empty, run the plain forward.
         o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=segment_ids,

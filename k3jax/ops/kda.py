@@ -26,6 +26,7 @@ head for those decays (and C³·K flops per chunk for the sums); this is the ref
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Optional
 
@@ -315,7 +316,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
               scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
               output_final_state: bool = False, use_qk_l2norm: bool = False,
               cu_seqlens: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
-              chunk_size: int = 64, backend: str = "auto"):
+              chunk_size: int = 64, backend: str = "auto", A_log: Optional[jax.Array] = None,
+              dt_bias: Optional[jax.Array] = None, lower_bound: Optional[float] = None):
   """Chunked KDA (WY representation), differentiable by JAX autodiff on the XLA backend.
 
   Args:
@@ -337,6 +339,14 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
     chunk_size: C, a positive multiple of 16. Any T works (padded internally).
     backend: "xla" (this code), "pallas" (`pallas_kernels.kda.chunk_kda`) or "auto" (pallas on GPU
       when that package imports, else xla).
+    A_log: [H] fp32, or None. Given, the gate is fused: g is the gate's raw input x (any float
+      dtype) and the log decay is `kda_gate(x, A_log, dt_bias, lower_bound)`, computed inside the
+      Pallas kernels (one static kernel variant for a bounded gate, and no [B, T, H, K] fp32 decay
+      written, read back or saved for the backward) or, on the XLA backend, by `kda_gate` first.
+      None: g is the log decay itself, and the Pallas path checks at run time whether it is
+      bounded (both kernel variants compiled).
+    dt_bias: [H*K] gate bias, or None (zero); only with A_log.
+    lower_bound: in [-5, 0) for the bounded gate, None for the unbounded one; only with A_log.
 
   Returns:
     o: [B, T, H, V] in v.dtype (zeros at padding tokens).
@@ -349,9 +359,16 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 \
       or chunk_size % 16:
     raise ValueError(f"chunk_size must be a positive multiple of 16, got {chunk_size!r}")
+  if A_log is None and (dt_bias is not None or lower_bound is not None):
+    raise ValueError("chunk_kda: dt_bias and lower_bound belong to the fused gate: pass A_log too "
+                     "(or pass the log decay kda_gate(...) as g, without them)")
   (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
       q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
-  if not isinstance(g, jax.core.Tracer):
+  fused = A_log is not None
+  if fused:
+    # kda_gate's checks of A_log, dt_bias and lower_bound, for both backends, without tracing it.
+    jax.eval_shape(functools.partial(kda_gate, lower_bound=lower_bound), g, A_log, dt_bias)
+  if not fused and not isinstance(g, jax.core.Tracer):
     # numpy, not jnp: a concrete g closed over by a jit would otherwise give a traced maximum.
     g_max = float(np.max(np.asarray(g))) if g.size else 0.0
     if g_max > 0:
@@ -366,20 +383,34 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
         raise
       pallas_chunk_kda = None
     if pallas_chunk_kda is not None:
-      def run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens):
+      # The fused gate's parameters travel with a batch axis (broadcast, each device's rows take
+      # row 0) so that under a mesh they enter the shard_map as inputs, not as closures.
+      a_rows = dt_rows = None
+      if fused:
+        a_rows = jnp.broadcast_to(jnp.asarray(A_log, jnp.float32), (B, H))
+        if dt_bias is not None:
+          dt_rows = jnp.broadcast_to(jnp.asarray(dt_bias, jnp.float32), (B, H * K))
+
+      def run(q, k, v, g, beta, initial_state, segment_ids, a_rows, dt_rows, cu_seqlens):
+        gate = {}
+        if fused:
+          gate = dict(A_log=a_rows[0], lower_bound=lower_bound,
+                      dt_bias=None if dt_rows is None else dt_rows[0])
         return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state,
                                 use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
-                                segment_ids=segment_ids, chunk_size=chunk_size)
+                                segment_ids=segment_ids, chunk_size=chunk_size, **gate)
       if cu_seqlens is not None:  # one packed row: nothing to split over devices
-        return run(q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
+        return run(q, k, v, g, beta, initial_state, segment_ids, a_rows, dt_rows, cu_seqlens)
       # The kernel is opaque to XLA's partitioner: under a mesh, each device runs its own rows.
       return sharding.map_over_batch_shards(
-          lambda *a: run(*a, None), q, k, v, g, beta, initial_state, segment_ids)
+          lambda *a: run(*a, None), q, k, v, g, beta, initial_state, segment_ids, a_rows, dt_rows)
 
   scale = K ** -0.5 if scale is None else float(scale)
-  return _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                        cu_seqlens, segment_ids, chunk_size)
+  if fused:
+    g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
+  return _chunk_kda_xla(q, k, v, g, beta, scale, initial_state,
+                        output_final_state, use_qk_l2norm, cu_seqlens, segment_ids, chunk_size)
 
 
 def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,

@@ -438,3 +438,79 @@ def test_chunk_is_finite_and_exact_when_all_keys_align():
   o_ref, _ = kda.recurrent_kda(qn, kn, *args[2:])
   assert np.all(np.isfinite(np.asarray(o_chunk)))
   np.testing.assert_allclose(np.asarray(o_chunk), np.asarray(o_ref), atol=1e-4)
+
+
+# --------------------------------------------------------------------------------------------------
+# The fused gate: chunk_kda(x, A_log=, dt_bias=, lower_bound=) against chunk_kda(kda_gate(x, ...)).
+# --------------------------------------------------------------------------------------------------
+
+
+def _fused_inputs(B=2, T=40, H=2, K=16, V=16, seed=3):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  seg = jnp.asarray(np.repeat(np.array([[1] * 15 + [2] * 20 + [0] * 5,
+                                        [3] * 40]), 1, axis=0), jnp.int32)
+  return dict(q=jax.random.normal(ks[0], (B, T, H, K)), k=jax.random.normal(ks[1], (B, T, H, K)),
+              v=jax.random.normal(ks[2], (B, T, H, V)), x=jax.random.normal(ks[3], (B, T, H, K)),
+              beta=jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))),
+              A_log=0.5 * jax.random.normal(ks[5], (H,)),
+              dt_bias=jax.random.normal(ks[6], (H * K,)), seg=seg)
+
+
+def _fused_grads(d, lower_bound, fused, backend):
+  names = ("q", "k", "v", "x", "beta", "A_log", "dt_bias")
+  do = jax.random.normal(jax.random.PRNGKey(9), d["v"].shape)
+
+  def loss(q, k, v, x, beta, a_log, dt):
+    if fused:
+      o, _ = kda.chunk_kda(q, k, v, x, beta, use_qk_l2norm=True, segment_ids=d["seg"],
+                           chunk_size=16, backend=backend, A_log=a_log, dt_bias=dt,
+                           lower_bound=lower_bound)
+    else:
+      g = kda.kda_gate(x, a_log, dt, lower_bound=lower_bound)
+      o, _ = kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=d["seg"],
+                           chunk_size=16, backend=backend)
+    return jnp.sum(o * do), o
+
+  (_, o), grads = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7)), has_aux=True))(
+      *[d[n] for n in names])
+  return o, dict(zip(names, grads))
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_fused_gate_equals_the_gate_then_the_chunks(backend, lower_bound):
+  """The KDA layer passes the gate's pre-activation and its parameters (the Pallas kernels form the
+  decay themselves): outputs and every gradient, A_log's and dt_bias's included, equal those of
+  kda_gate followed by chunk_kda on the XLA path (packed rows with padding; Pallas interpreted)."""
+  d = _fused_inputs()
+  o_ref, g_ref = _fused_grads(d, lower_bound, fused=False, backend="xla")
+  o, g = _fused_grads(d, lower_bound, fused=True, backend=backend)
+  tol = 1e-6 if backend == "xla" else 2e-4
+  assert error_ratio(o, o_ref) <= tol
+  for name in g_ref:
+    assert error_ratio(g[name], g_ref[name]) <= tol, (name, error_ratio(g[name], g_ref[name]))
+
+
+def test_fused_gate_under_a_batch_mesh_equals_one_device():
+  """Under a mesh the Pallas kernel runs per device on its rows (shard_map): the fused gate's
+  parameters enter it as inputs, and their gradients sum over the devices' rows."""
+  d = _fused_inputs(B=8)
+  d["seg"] = jnp.tile(d["seg"][:1], (8, 1))
+  o_one, g_one = _fused_grads(d, -5.0, fused=True, backend="pallas")
+  from k3jax import sharding
+  with jax.set_mesh(sharding.make_mesh("data:8")):   # as the training step runs under a mesh
+    o_mesh, g_mesh = _fused_grads(d, -5.0, fused=True, backend="pallas")
+  assert error_ratio(o_mesh, o_one) <= 1e-6
+  for name in g_one:
+    assert error_ratio(g_mesh[name], g_one[name]) <= 1e-6, name
+
+
+def test_fused_gate_arguments_are_checked():
+  d = _fused_inputs()
+  a = dict(q=d["q"], k=d["k"], v=d["v"], g=d["x"], beta=d["beta"], chunk_size=16)
+  with pytest.raises(ValueError, match="pass A_log too"):
+    kda.chunk_kda(**a, dt_bias=d["dt_bias"])
+  with pytest.raises(ValueError, match="lower_bound"):
+    kda.chunk_kda(**a, A_log=d["A_log"], lower_bound=-6.0)
+  with pytest.raises(ValueError, match="A_log must have shape"):
+    kda.chunk_kda(**a, A_log=d["A_log"][:1], lower_bound=-5.0)
