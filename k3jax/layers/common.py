@@ -124,3 +124,62 @@ class RMSNorm(nn.Module):
     w = logical_param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones,
                       self.param_dtype)
     return rms_norm(x, self.eps, w).astype(self.dtype)
+
+
+def gated_rms_norm(x: jax.Array, gate: jax.Array, eps: float, weight: jax.Array) -> jax.Array:
+  """y = rms_norm(x, eps, weight) · sigmoid(gate), in fp32 (fla's FusedRMSNormGated with a sigmoid).
+
+  x, gate [..., d] any float dtypes; weight [d]. Returns fp32. The backward keeps x and gate in
+  their own dtypes and r [..., 1] fp32, and recomputes the sigmoid and the norm: autodiff of the
+  product would keep both fp32 factors, two [..., d] fp32 arrays per layer (KDA's output gate:
+  6 KB a token per small.gin layer, `experiments/benchmarks/saved_residuals.py`).
+  """
+  return _gated_rms_norm(x, gate, weight, float(eps))
+
+
+def _gated_rms_norm_fwd(x, gate, weight, eps):
+  r = _rms_scale(x, eps)
+  y = x.astype(jnp.float32) * r * weight.astype(jnp.float32)
+  return y * jax.nn.sigmoid(gate.astype(jnp.float32)), (x, gate, weight, r)
+
+
+def _gated_rms_norm_bwd(eps, residuals, dy):
+  """s = sigmoid(gate), n = x·r·w: dgate = dy·n·s·(1 − s); the norm's VJP with dy·s."""
+  x, gate, weight, r = residuals
+  s = jax.nn.sigmoid(gate.astype(jnp.float32))
+  dy32 = dy.astype(jnp.float32)
+  n = x.astype(jnp.float32) * r * weight.astype(jnp.float32)
+  dgate = dy32 * n * s * (1.0 - s)
+  dx, dw = _rms_norm_bwd(eps, (x, weight, r), dy32 * s)
+  return dx, dgate.astype(gate.dtype), dw
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gated_rms_norm(x, gate, weight, eps):
+  return _gated_rms_norm_fwd(x, gate, weight, eps)[0]
+
+
+_gated_rms_norm.defvjp(_gated_rms_norm_fwd, _gated_rms_norm_bwd)
+
+
+@jax.custom_vjp
+def sigmoid_gate(x: jax.Array, gate: jax.Array) -> jax.Array:
+  """y = x · sigmoid(gate) in fp32 (MLA's output gate). x, gate [...] any float dtypes; returns
+  fp32. The backward keeps x and gate in their own dtypes and recomputes the sigmoid (autodiff
+  would keep the fp32 x and sigmoid(gate))."""
+  return x.astype(jnp.float32) * jax.nn.sigmoid(gate.astype(jnp.float32))
+
+
+def _sigmoid_gate_fwd(x, gate):
+  return sigmoid_gate(x, gate), (x, gate)
+
+
+def _sigmoid_gate_bwd(residuals, dy):
+  x, gate = residuals
+  s = jax.nn.sigmoid(gate.astype(jnp.float32))
+  dy32 = dy.astype(jnp.float32)
+  return ((dy32 * s).astype(x.dtype),
+          (dy32 * x.astype(jnp.float32) * s * (1.0 - s)).astype(gate.dtype))
+
+
+sigmoid_gate.defvjp(_sigmoid_gate_fwd, _sigmoid_gate_bwd)

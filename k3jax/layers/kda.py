@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import config_weight, logical_param, rms_norm, to_dtype
+from k3jax.layers.common import config_weight, gated_rms_norm, logical_param, to_dtype
 from k3jax.layers.conv import ShortConv
 from k3jax.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
 
@@ -141,6 +141,6 @@ class KDALayer(nn.Module):
     norm_w = logical_param(self, "o_norm", (dv,), ("norm",), nn.initializers.ones, param_dtype)
     out_gate = jnp.einsum("btd,dhv->bthv", x,
                           config_weight(self, "g_proj", (d, h, dv), ("embed", "heads", "head_dim")))
-    o = rms_norm(o, cfg.norm_eps, norm_w) * jax.nn.sigmoid(out_gate.astype(jnp.float32))
+    o = gated_rms_norm(o, out_gate, cfg.norm_eps, norm_w)
     w_o = config_weight(self, "o_proj", (h, dv, d), ("heads", "head_dim", "embed"))
     return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)

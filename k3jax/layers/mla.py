@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.config import ModelConfig
-from k3jax.layers.common import RMSNorm, config_weight, to_dtype
+from k3jax.layers.common import RMSNorm, config_weight, sigmoid_gate, to_dtype
 from k3jax.ops.attention import attention, max_attention_logits
 
 # DeepSeek / Kimi use eps 1e-6 on the q_a / kv_a LoRA norms (notes/arch.md §2.1).
@@ -92,8 +92,7 @@ class GatedMLA(nn.Module):
 
     if cfg.mla_output_gate:
       w_g = config_weight(self, "w_gate", (d, h, dv), ("embed", "heads", "head_dim"))
-      gate = jax.nn.sigmoid(jnp.einsum("btd,dhv->bthv", x, w_g).astype(jnp.float32))
-      o = (o.astype(jnp.float32) * gate).astype(dtype)
+      o = sigmoid_gate(o, jnp.einsum("btd,dhv->bthv", x, w_g)).astype(dtype)
     w_o = config_weight(self, "wo", (h, dv, d), ("heads", "head_dim", "embed"))
     return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)
 
