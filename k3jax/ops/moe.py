@@ -483,7 +483,29 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   gate, up = gate_up[:, :f], gate_up[:, f:]
   h = situ_glu(gate, up, beta1, beta2).astype(x.dtype)
   y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
-  return jnp.where(in_group[:, None], y, 0.0)
+  return zero_rows(y, in_group)
+
+
+@jax.custom_vjp
+def zero_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
+  """x [M, ...] with the rows where keep [M] (bool) is False set to zero; the same in the backward.
+
+  As `jnp.where(keep[:, None], x, 0)`, but the backward keeps only `keep`: autodiff of the where
+  (a jitted function) kept its fp32 [M, ℓ] output and an [M, ℓ] bool mask for the backward, on top
+  of the combine's own copy of the expert outputs (`experiments/benchmarks/saved_residuals.py`).
+  """
+  return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def _zero_rows_fwd(x, keep):
+  return zero_rows(x, keep), keep
+
+
+def _zero_rows_bwd(keep, dy):
+  return zero_rows(dy, keep), None
+
+
+zero_rows.defvjp(_zero_rows_fwd, _zero_rows_bwd)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

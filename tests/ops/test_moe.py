@@ -412,3 +412,32 @@ def test_tokamax_grouped_matmul_is_lowered_once_per_shape():
   dots = lambda n: jax.jit(jax.grad(layers(n), argnums=(0, 1))).lower(lhs, w, gs).as_text() \
       .count("stablehlo.dot_general")
   assert dots(4) == dots(1) == 3      # forward, dlhs, drhs: once each
+
+
+def test_zero_rows_values_gradient_and_what_it_keeps():
+  """zero_rows: the where's values and gradient; its backward keeps only the row mask, and the
+  dropless routed experts keep one fp32 copy of the expert outputs (the combine's), not two."""
+  from jax._src import ad_checkpoint
+  x = jax.random.normal(jax.random.PRNGKey(0), (6, 4))
+  keep = jnp.array([True, False, True, True, False, True])
+  ref = lambda x: jnp.where(keep[:, None], x, 0.0)
+  np.testing.assert_array_equal(moe.zero_rows(x, keep), ref(x))
+  cot = jax.random.normal(jax.random.PRNGKey(1), (6, 4))
+  np.testing.assert_array_equal(jax.grad(lambda x: jnp.sum(moe.zero_rows(x, keep) * cot))(x),
+                                jax.grad(lambda x: jnp.sum(ref(x) * cot))(x))
+  np.testing.assert_array_equal(moe.zero_rows(jnp.full((6, 4), jnp.nan), keep)[1], 0.0)
+
+  n, latent, e, m, k = 16, 8, 4, 12, 2
+  ks = jax.random.split(jax.random.PRNGKey(2), 6)
+  z = jax.random.normal(ks[0], (n, latent), jnp.bfloat16)
+  idx = jax.random.randint(ks[1], (n, k), 0, e)
+  w = jax.nn.softmax(jax.random.normal(ks[2], (n, k)))
+  wg, wu = jax.random.normal(ks[3], (e, latent, m)), jax.random.normal(ks[4], (e, latent, m))
+  wo = jax.random.normal(ks[5], (e, m, latent))
+  rd = functools.partial(moe.tokamax_ragged_dot, implementation="xla")
+  f = lambda z, w: routed_experts(z, idx, w, wg, wu, wo, beta1=1.0, beta2=1.0,
+                                  ragged_dot_fn=rd)[0]
+  kept = [a for a, _ in ad_checkpoint.saved_residuals(f, z, w)]
+  big32 = [a for a in kept if a.dtype == jnp.float32 and a.size == n * k * latent]
+  assert len(big32) == 1, big32
+  assert not [a for a in kept if a.dtype == jnp.bool_ and a.size == n * k * latent]
