@@ -183,3 +183,29 @@ def _sigmoid_gate_bwd(residuals, dy):
 
 
 sigmoid_gate.defvjp(_sigmoid_gate_fwd, _sigmoid_gate_bwd)
+
+
+@jax.custom_vjp
+def dot_in_fp32(x: jax.Array, w: jax.Array) -> jax.Array:
+  """x [..., d] @ w [d, n] with both upcast to fp32 (HIGHEST precision): the MoE router's logits.
+
+  The backward keeps x in its own dtype: its fp32 upcast is exact, so the gradients are those of
+  autodiff, which would keep the fp32 copy of x ([..., d] fp32 a layer).
+  """
+  return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+
+
+def _dot_in_fp32_fwd(x, w):
+  return dot_in_fp32(x, w), (x, w)
+
+
+def _dot_in_fp32_bwd(residuals, dy):
+  x, w = residuals
+  hi = jax.lax.Precision.HIGHEST
+  dy32, x32 = dy.astype(jnp.float32), x.astype(jnp.float32)
+  dx = jnp.dot(dy32, w.astype(jnp.float32).T, precision=hi)
+  dw = jnp.dot(x32.reshape(-1, x.shape[-1]).T, dy32.reshape(-1, dy.shape[-1]), precision=hi)
+  return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+dot_in_fp32.defvjp(_dot_in_fp32_fwd, _dot_in_fp32_bwd)

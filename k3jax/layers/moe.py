@@ -29,7 +29,7 @@ from k3jax.config import ModelConfig
 from k3jax.layers import common
 from k3jax.layers.ffn import Kernel, SiTUGLUWeights, situ_glu_ffn
 from k3jax.ops.chunking import map_position_chunks
-from k3jax.ops.moe import QB_CUTOFFS, default_ragged_dot, qb_margins
+from k3jax.ops.moe import default_ragged_dot, qb_margins
 from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
 
 
@@ -220,8 +220,7 @@ class Router(nn.Module):
     kernel = common.logical_param(self, "kernel", (x.shape[-1], num_experts), ("embed", None),
                                   common.normal_init(cfg.init_std),
                                   common.to_dtype(cfg.param_dtype))
-    logits = jnp.dot(x.astype(jnp.float32), kernel.astype(jnp.float32),
-                     precision=jax.lax.Precision.HIGHEST)
+    logits = common.dot_in_fp32(x, kernel)
     scores = jax.nn.sigmoid(logits)
     _, expert_idx = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32)), k)
     chosen = jnp.take_along_axis(scores, expert_idx, axis=-1)

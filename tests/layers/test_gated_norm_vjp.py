@@ -74,3 +74,17 @@ def test_backward_keeps_the_inputs_in_bf16_and_no_fp32_factor():
     assert full32 not in kept, kept
     assert kept.count((x.shape, jnp.dtype(jnp.bfloat16))) == 2      # x and the gate
     assert full32 in _saved(plain, x, gate)                           # the check is not blind
+
+
+def test_dot_in_fp32_equals_autodiff_and_keeps_x_in_its_dtype():
+  from k3jax.layers.common import dot_in_fp32
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, 16)).astype(jnp.bfloat16)
+  w = jax.random.normal(jax.random.PRNGKey(4), (16, 6))
+  plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST)
+  cot = jax.random.normal(jax.random.PRNGKey(5), (2, 5, 6))
+  np.testing.assert_array_equal(dot_in_fp32(x, w), plain(x, w))
+  grads = lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), (0, 1))(x, w)
+  _close(grads(dot_in_fp32), grads(plain), 1e-6)
+  assert (x.shape, jnp.dtype(jnp.float32)) not in _saved(dot_in_fp32, x, w)
+  assert (x.shape, jnp.dtype(jnp.float32)) in _saved(plain, x, w)
