@@ -23,7 +23,6 @@ from k3jax.evaluate import bytes_per_token
 _SYNTHETIC_VALIDATION_OFFSET = 1 << 40
 
 
-
 class Data(NamedTuple):
   """The run's data, whatever the source.
 

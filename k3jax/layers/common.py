@@ -138,20 +138,17 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, eps: float, weight: jax.Array)
 
 
 def _gated_rms_norm_fwd(x, gate, weight, eps):
-  r = _rms_scale(x, eps)
-  y = x.astype(jnp.float32) * r * weight.astype(jnp.float32)
-  return y * jax.nn.sigmoid(gate.astype(jnp.float32)), (x, gate, weight, r)
+  n, (_, _, r) = _rms_norm_fwd(x, weight, eps)
+  return sigmoid_gate(n, gate), (x, gate, weight, r)
 
 
 def _gated_rms_norm_bwd(eps, residuals, dy):
-  """s = sigmoid(gate), n = x·r·w: dgate = dy·n·s·(1 − s); the norm's VJP with dy·s."""
+  """The sigmoid gate's VJP at the recomputed n = x·r·w, then the norm's."""
   x, gate, weight, r = residuals
-  s = jax.nn.sigmoid(gate.astype(jnp.float32))
-  dy32 = dy.astype(jnp.float32)
   n = x.astype(jnp.float32) * r * weight.astype(jnp.float32)
-  dgate = dy32 * n * s * (1.0 - s)
-  dx, dw = _rms_norm_bwd(eps, (x, weight, r), dy32 * s)
-  return dx, dgate.astype(gate.dtype), dw
+  dn, dgate = _sigmoid_gate_bwd((n, gate), dy)
+  dx, dw = _rms_norm_bwd(eps, (x, weight, r), dn)
+  return dx, dgate, dw
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))

@@ -102,7 +102,7 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   _, out = jax.lax.scan(step, None,
                         (buf.reshape(steps, per_step, tile, L), tile_group, first_rows))
   y = out.reshape(num_tiles * tile, F).at[dest].get(mode="fill", fill_value=0)
-  return jnp.where(real[:, None], y, 0).astype(out_dtype)
+  return zero_rows(y, real).astype(out_dtype)
 
 
 # The backward of a grouped matmul out = lhs @ rhs[group]: dlhs = dout @ rhs[group]^T (rhs's last
@@ -142,12 +142,34 @@ def _call_tokamax(fn, *args, implementation: str, **kwargs) -> jax.Array:
         f"cannot run on {shapes} ({e}); choose 'tiled' or 'ragged_dot' for this model") from e
 
 
+@jax.custom_vjp
+def zero_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
+  """x [M, ...] with the rows where keep [M] (bool) is False set to zero; the same in the backward.
+
+  As `jnp.where(keep[:, None], x, 0)`, but the backward keeps only `keep`: autodiff of the where
+  (a jitted function) kept its fp32 [M, ℓ] output and an [M, ℓ] bool mask for the backward, on top
+  of the combine's own copy of the expert outputs (`experiments/benchmarks/saved_residuals.py`).
+  """
+  return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
+
+
+def _zero_rows_fwd(x, keep):
+  return zero_rows(x, keep), keep
+
+
+def _zero_rows_bwd(keep, dy):
+  return zero_rows(dy, keep), None
+
+
+zero_rows.defvjp(_zero_rows_fwd, _zero_rows_bwd)
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation):
   """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs."""
   out = _call_tokamax(_tokamax().ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                       implementation=implementation)
-  return jnp.where(_rows_in_groups(lhs.shape[0], group_sizes)[:, None], out, 0)
+  return zero_rows(out, _rows_in_groups(lhs.shape[0], group_sizes))
 
 
 def _tokamax_grouped_fwd(lhs, rhs, group_sizes, out_dtype, implementation):
@@ -165,7 +187,7 @@ def _tokamax_grouped_bwd(out_dtype, implementation, residuals, dout):
   drhs = _call_tokamax(_tokamax().ragged_dot_general, lhs, dout, group_sizes, _DRHS_DIMS,
                        preferred_element_type=rhs.dtype, implementation=implementation)
   # The kernels never write the rows past the groups (uninitialised memory on the GPU).
-  dlhs = jnp.where(_rows_in_groups(lhs.shape[0], group_sizes)[:, None], dlhs, 0)
+  dlhs = zero_rows(dlhs, _rows_in_groups(lhs.shape[0], group_sizes))
   return dlhs, drhs, None
 
 
@@ -484,28 +506,6 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   h = situ_glu(gate, up, beta1, beta2).astype(x.dtype)
   y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
   return zero_rows(y, in_group)
-
-
-@jax.custom_vjp
-def zero_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
-  """x [M, ...] with the rows where keep [M] (bool) is False set to zero; the same in the backward.
-
-  As `jnp.where(keep[:, None], x, 0)`, but the backward keeps only `keep`: autodiff of the where
-  (a jitted function) kept its fp32 [M, ℓ] output and an [M, ℓ] bool mask for the backward, on top
-  of the combine's own copy of the expert outputs (`experiments/benchmarks/saved_residuals.py`).
-  """
-  return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
-
-
-def _zero_rows_fwd(x, keep):
-  return zero_rows(x, keep), keep
-
-
-def _zero_rows_bwd(keep, dy):
-  return zero_rows(dy, keep), None
-
-
-zero_rows.defvjp(_zero_rows_fwd, _zero_rows_bwd)
 
 
 def expert_capacity(num_tokens: int, top_k: int, num_experts: int, capacity_factor: float) -> int:

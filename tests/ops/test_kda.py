@@ -447,8 +447,7 @@ def test_chunk_is_finite_and_exact_when_all_keys_align():
 
 def _fused_inputs(B=2, T=40, H=2, K=16, V=16, seed=3):
   ks = jax.random.split(jax.random.PRNGKey(seed), 7)
-  seg = jnp.asarray(np.repeat(np.array([[1] * 15 + [2] * 20 + [0] * 5,
-                                        [3] * 40]), 1, axis=0), jnp.int32)
+  seg = jnp.asarray([[1] * 15 + [2] * 20 + [0] * 5, [3] * 40], jnp.int32)
   return dict(q=jax.random.normal(ks[0], (B, T, H, K)), k=jax.random.normal(ks[1], (B, T, H, K)),
               v=jax.random.normal(ks[2], (B, T, H, V)), x=jax.random.normal(ks[3], (B, T, H, K)),
               beta=jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))),
