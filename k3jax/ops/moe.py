@@ -25,9 +25,10 @@ Assignments of invalid tokens (`valid` False, e.g. padding) are never computed a
 they sort after every expert's group, their output rows are zero, and they take no capacity.
 
 Gradients flow to z, the expert weights and expert_weight (the router); the integer routing is
-non-differentiable by construction. Every row movement (dispatch, capacity buffers, unsort) is a
-`gather_rows`, whose VJP is a gather with the inverse index map, and the group sizes and inverse
-permutation come from comparisons and a second sort: neither pass has a scatter.
+non-differentiable by construction. Every row movement (dispatch, capacity buffers) is a
+`gather_rows` and the unsort with the weighted sum one `weighted_combine`; their VJPs are gathers
+with the inverse index map, and the group sizes and inverse permutation come from comparisons and
+a second sort: neither pass has a scatter. (Those row movements live in `k3jax.ops.moe_rows`.)
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
+
+from k3jax.ops.moe_rows import (_common_varying, gather_rows, permute_rows,  # noqa: F401
+                                sort_with_inverse, sorted_group_sizes, weighted_combine,
+                                zero_rows)
 
 RaggedDotFn = Callable[..., jax.Array]
 
@@ -142,28 +147,6 @@ def _call_tokamax(fn, *args, implementation: str, **kwargs) -> jax.Array:
         f"cannot run on {shapes} ({e}); choose 'tiled' or 'ragged_dot' for this model") from e
 
 
-@jax.custom_vjp
-def zero_rows(x: jax.Array, keep: jax.Array) -> jax.Array:
-  """x [M, ...] with the rows where keep [M] (bool) is False set to zero; the same in the backward.
-
-  As `jnp.where(keep[:, None], x, 0)`, but the backward keeps only `keep`: autodiff of the where
-  (a jitted function) kept its fp32 [M, ℓ] output and an [M, ℓ] bool mask for the backward, on top
-  of the combine's own copy of the expert outputs (`experiments/benchmarks/saved_residuals.py`).
-  """
-  return jnp.where(keep.reshape(keep.shape + (1,) * (x.ndim - 1)), x, jnp.zeros((), x.dtype))
-
-
-def _zero_rows_fwd(x, keep):
-  return zero_rows(x, keep), keep
-
-
-def _zero_rows_bwd(keep, dy):
-  return zero_rows(dy, keep), None
-
-
-zero_rows.defvjp(_zero_rows_fwd, _zero_rows_bwd)
-
-
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation):
   """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs."""
@@ -236,22 +219,6 @@ def _tokamax_grouped_shared(lhs, rhs, group_sizes, out_dtype, implementation):
   return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation)
 
 
-def _common_varying(*arrays: jax.Array) -> list[jax.Array]:
-  """`arrays` made varying over the same manual mesh axes (the union of theirs).
-
-  Inside `shard_map` a custom VJP must return each cotangent varying over exactly its input's
-  axes; the weights enter the expert-parallel body varying over 'expert' only, their gradient
-  would vary over 'data' too. Cast up front, the cast's transpose sums the gradient over 'data'.
-  Outside shard_map nothing varies and this returns the arrays unchanged.
-  """
-  axes = frozenset().union(*(jax.typeof(a).manual_axis_type.varying for a in arrays))
-  out = []
-  for a in arrays:
-    missing = tuple(sorted(axes - jax.typeof(a).manual_axis_type.varying))
-    out.append(jax.lax.pcast(a, missing, to="varying") if missing else a)
-  return out
-
-
 def _gpu_compute_capability() -> float:
   """The default device's CUDA compute capability; 0 when it is not an NVIDIA GPU."""
   device = jax.devices()[0]
@@ -316,72 +283,6 @@ def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
   if kind == "tiled":
     return tiled_ragged_dot
   return jax.lax.ragged_dot
-
-
-# ------------------------------------------------------------------------------------------------
-# Row permutations whose transpose is a gather.
-
-
-def gather_rows(x: jax.Array, src: jax.Array, src_ok: jax.Array, back: jax.Array,
-                back_ok: jax.Array) -> jax.Array:
-  """out[r] = x[src[r]] where src_ok[r], else 0; its VJP is a gather too (no scatter-add).
-
-  x [n, ...] any float dtype; src [m] int32 in [0, n); src_ok [m] bool; back [n, f] int32 in
-  [0, m) and back_ok [n, f] bool: the rows of `out` that read row i of x (back_ok False for the
-  unused slots). (src, src_ok) and (back, back_ok) must describe the same relation: r is listed
-  in back[src[r]] exactly when src_ok[r]. Then dx[i] = Σ_f dout[back[i, f]] over back_ok, summed
-  in fp32 (f = k for the dispatch of a token to its k experts, 1 for a permutation). Returns
-  [m, ...] in x.dtype. What autodiff would make of `x[src]`, a scatter-add, costs the MoE's
-  backward ~150 ms of a 402 ms small.gin step on one H200 (spec/PERFORMANCE.md).
-  """
-  # (Inside shard_map, x and the maps made varying over the same mesh axes: `_common_varying`.)
-  return _gather_rows(*_common_varying(x, src, src_ok, back, back_ok))
-
-
-@jax.custom_vjp
-def _gather_rows(x, src, src_ok, back, back_ok):
-  return _masked_take(x, src, src_ok)
-
-
-def _masked_take(x: jax.Array, index: jax.Array, ok: jax.Array) -> jax.Array:
-  rows = jnp.take(x, index, axis=0, mode="clip")
-  return jnp.where(ok.reshape(ok.shape + (1,) * (x.ndim - 1)), rows, jnp.zeros((), x.dtype))
-
-
-def _gather_rows_fwd(x, src, src_ok, back, back_ok):
-  return _masked_take(x, src, src_ok), (src, src_ok, back, back_ok)
-
-
-def _gather_rows_bwd(residuals, dout):
-  src, src_ok, back, back_ok = residuals
-  n, fan = back.shape
-  picked = _masked_take(dout, back.reshape(n * fan), back_ok.reshape(n * fan))
-  dx = jnp.sum(picked.reshape((n, fan) + dout.shape[1:]).astype(jnp.float32), axis=1)
-  return dx.astype(dout.dtype), None, None, None, None
-
-
-_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
-
-
-def permute_rows(x: jax.Array, order: jax.Array, inverse: jax.Array) -> jax.Array:
-  """x[order] for a permutation `order` [n] with its inverse [n]; the VJP gathers with `inverse`."""
-  ones = jnp.ones(order.shape, bool)
-  return gather_rows(x, order, ones, inverse[:, None], ones[:, None])
-
-
-def sorted_group_sizes(sorted_keys: jax.Array, num_groups: int) -> jax.Array:
-  """[num_groups] int32: how many of the ascending `sorted_keys` [m] equal 0, 1, … num_groups-1
-  (keys >= num_groups are not counted). Comparisons and a sum, not the scatter-add of bincount."""
-  bounds = jnp.searchsorted(sorted_keys, jnp.arange(num_groups + 1, dtype=sorted_keys.dtype),
-                            side="left", method="compare_all").astype(jnp.int32)
-  return bounds[1:] - bounds[:-1]
-
-
-def sort_with_inverse(keys: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """(order, inverse) of a stable ascending sort of `keys` [m]: keys[order] is sorted and
-  inverse[order[r]] = r. The inverse is a second sort, not the scatter `.at[order].set(arange)`."""
-  order = jnp.argsort(keys, stable=True).astype(jnp.int32)
-  return order, jnp.argsort(order).astype(jnp.int32)
 
 
 # SiTU-GLU math (re-exported by k3jax.layers.ffn, which documents it).
@@ -493,8 +394,8 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   x [M, ℓ] (the matmuls run in x.dtype, accumulating in fp32; gate and up are rounded to x.dtype
   before the fp32 activation math, as in `situ_glu_ffn`); w_gate, w_up [E, ℓ, f];
   w_out [E, f, ℓ] (already in x.dtype); group_sizes [E]; in_group [M] bool, False for the rows
-  past the last group. Returns fp32 [M, ℓ], zero on rows outside the groups (which ragged_dot
-  leaves undefined on some backends).
+  past the last group. Returns [M, ℓ] in x.dtype (accumulated in fp32 inside the matmul), zero on
+  rows outside the groups (which ragged_dot leaves undefined on some backends).
   """
   # gate and up leave the matmul in x.dtype (fp32 accumulation inside), as in the dense SiTU-GLU:
   # situ_glu's backward then keeps two bf16 [M, f] arrays, not fp32 ones. They are one grouped
@@ -504,7 +405,10 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
                           preferred_element_type=x.dtype)
   gate, up = gate_up[:, :f], gate_up[:, f:]
   h = situ_glu(gate, up, beta1, beta2).astype(x.dtype)
-  y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=jnp.float32)
+  # The expert outputs leave the matmul in x.dtype too: the combine sums them in fp32, but an fp32
+  # [M, ℓ] output doubled the kernel's writes and what the backward keeps (the expert-parallel path
+  # always sent them in x.dtype).
+  y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=x.dtype)
   return zero_rows(y, in_group)
 
 
@@ -608,10 +512,10 @@ def routed_experts(
                            src[:, None], filled[:, None])
     dropped = jnp.sum(routed & ~kept).astype(jnp.int32)
 
-  y_assign = permute_rows(y_sorted, inverse, order).reshape(n, k, latent)
-  y = jnp.einsum("nkl,nk->nl", y_assign, expert_weight.astype(jnp.float32))
+  # Token i's k outputs sit in rows inverse[i·k:(i+1)·k]; row r belongs to assignment order[r].
+  y = weighted_combine(y_sorted, token_rows, token_rows_ok, expert_weight, order, routed, dtype)
   stats = {"load": group_sizes.astype(jnp.float32), "dropped": dropped}
-  return y.astype(dtype), stats
+  return y, stats
 
 
 QB_CUTOFFS = ("per_expert", "token")

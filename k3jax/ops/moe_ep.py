@@ -15,9 +15,9 @@ an independent EP group. Inside one `jax.shard_map`, each device:
   4. unsorts, `all_to_all`s the results back to the senders (in z.dtype) and combines them with the
      router weights in fp32, exactly like `k3jax.ops.moe.routed_experts`.
 
-Every row movement (packing, the sort by local expert and its undoing, the return to the tokens) is
-a `k3jax.ops.moe.gather_rows`, whose backward is a gather with the inverse map: neither pass has a
-scatter(-add). The grouped matmul is the one of ModelConfig.moe_grouped_matmul (tokamax's Mosaic
+Every row movement (packing, the sort by local expert and its undoing) is a
+`k3jax.ops.moe.gather_rows`, and the return to the tokens a `weighted_combine`: their backwards are
+gathers with the inverse maps, neither pass has a scatter(-add). The grouped matmul is the one of ModelConfig.moe_grouped_matmul (tokamax's Mosaic
 GPU kernels by default on the GPU), as on one device.
 
 Buffer capacity C (rows per (source, destination) pair), all shapes static:
@@ -58,7 +58,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.ops.moe import (RaggedDotFn, _check_shapes, gather_rows, grouped_situ_glu,
                            permute_rows, qb_margins, routed_experts, sort_with_inverse,
-                           sorted_group_sizes)
+                           sorted_group_sizes, weighted_combine)
 from k3jax.sharding import BATCH_AXES
 
 EXPERT_AXIS = "expert"
@@ -161,10 +161,8 @@ def _local_ep(z, expert_idx, expert_weight, valid, w_gate, w_up, w_out, *, num_e
   # Straight from the returned rows to the tokens' assignments (unsort included): assignment a
   # reads return row send_row[inverse[a]] when kept; return row d·C + c goes to assignment
   # order[starts[d] + c] when filled.
-  y_assign = gather_rows(y_back.reshape(rows, latent), token_send_rows.reshape(num_assign),
-                         token_sent.reshape(num_assign), order[src][:, None], filled[:, None])
-  y_assign = y_assign.astype(jnp.float32).reshape(n_loc, k, latent)
-  y = jnp.einsum("nkl,nk->nl", y_assign, expert_weight.astype(jnp.float32)).astype(dtype)
+  y = weighted_combine(y_back.reshape(rows, latent), token_send_rows, token_sent, expert_weight,
+                       order[src], filled, dtype)
 
   # Per-expert counts by comparison and sum (bincount would be a scatter-add).
   load = jnp.sum((flat_expert[:, None] == jnp.arange(num_experts, dtype=jnp.int32)[None, :])
