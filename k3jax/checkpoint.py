@@ -386,7 +386,8 @@ def restore_run(workdir: str, step: Optional[int] = None, log: Callable[[str], N
     params, moe_state, meta = ckpt.restore_model(step, log=log)
   finally:
     ckpt.close()
-  # Runs saved before the decoder became a scan hold per-layer trees (identity on scanned ones).
-  from k3jax.model import unrolled_to_scanned  # pylint: disable=import-outside-toplevel
-  params, moe_state = (unrolled_to_scanned(t, cfg.model) for t in (params, moe_state))
+  # Runs saved before the decoder became a scan hold per-layer trees; a config may have changed
+  # scan_layers since (identity when the layouts agree).
+  from k3jax.model import to_layout  # pylint: disable=import-outside-toplevel
+  params, moe_state = (to_layout(t, cfg.model) for t in (params, moe_state))
   return cfg, params, moe_state, meta

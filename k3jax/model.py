@@ -419,6 +419,13 @@ def unrolled_to_scanned(tree: Any, cfg: ModelConfig) -> Any:
   return _map_dicts(tree, convert)
 
 
+def to_layout(tree: Any, cfg: ModelConfig) -> Any:
+  """`tree` (scanned or per-layer layout, any scan period) in the layout of `cfg`'s decoder: a
+  checkpoint written with scan_layers on restores into a model with it off, and the other way.
+  Arguments as in `unrolled_to_scanned`."""
+  return unrolled_to_scanned(scanned_to_unrolled(tree), cfg)
+
+
 def scanned_to_unrolled(tree: Any) -> Any:
   """The per-layer layout of a tree in the scanned layout (the inverse of `unrolled_to_scanned`).
 

@@ -47,7 +47,7 @@ from k3jax import precompile as precompile_lib
 from k3jax import sharding as sharding_lib
 from k3jax.evaluate import Evaluator, format_eval, max_violation, moe_stats_by_layer
 from k3jax.flops import flops_per_token
-from k3jax.model import K3Model, unrolled_to_scanned
+from k3jax.model import K3Model, to_layout
 # The step and the state live in k3jax.train_step; re-exported here, where callers have found them.
 from k3jax.train_step import (TrainState, init_train_state, make_train_step,  # noqa: F401
                               placed_train_state_shapes, train_state_shapes)  # noqa: F401
@@ -301,9 +301,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
       restored = ckpt.restore_latest(params=state.params, moe_state=state.moe_state,
                                      opt_state=state.opt_state, rng=state.rng,
                                      log=lambda line: print(f"warning: {line}", file=sys.stderr),
-                                     # checkpoints written before the decoder became a scan
-                                     convert=lambda item, tree: unrolled_to_scanned(tree,
-                                                                                    cfg.model))
+                                     # checkpoints of the other decoder layout (scan_layers)
+                                     convert=lambda item, tree: to_layout(tree, cfg.model))
     except checkpoint_lib.IncompatibleCheckpointError as e:
       ckpt.close()
       settings = "; ".join(changes) or "none in config.gin (the code's parameter tree changed?)"

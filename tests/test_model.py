@@ -189,6 +189,8 @@ def scan_cfg(**overrides) -> config_lib.ModelConfig:
 
 def test_layer_plan():
   small = config_lib.from_gin([os.path.join(GIN_DIR, "small.gin")]).model
+  assert layer_plan(small).num_groups == 0           # small.gin runs its 12 layers unrolled
+  small = dataclasses.replace(small, scan_layers=True)
   plan = layer_plan(small)
   assert (plan.prefix, plan.start, plan.period, plan.num_groups, plan.suffix) == \
       ((0,), 1, 4, 2, (9, 10, 11))
