@@ -17,8 +17,9 @@ an independent EP group. Inside one `jax.shard_map`, each device:
 
 Every row movement (packing, the sort by local expert and its undoing) is a
 `k3jax.ops.moe.gather_rows`, and the return to the tokens a `weighted_combine`: their backwards are
-gathers with the inverse maps, neither pass has a scatter(-add). The grouped matmul is the one of ModelConfig.moe_grouped_matmul (tokamax's Mosaic
-GPU kernels by default on the GPU), as on one device.
+gathers with the inverse maps, neither pass has a scatter(-add). The grouped matmul is the one of
+ModelConfig.moe_grouped_matmul (tokamax's Mosaic GPU kernels by default on the GPU), as on one
+device.
 
 Buffer capacity C (rows per (source, destination) pair), all shapes static:
   * dropless, capacity_factor == 0: C = N_loc·min(k, E_loc), the most one device can ever send to
