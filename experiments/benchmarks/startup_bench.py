@@ -10,11 +10,15 @@ For a config (gin files + bindings) and a batch shape, prints one JSON line per 
          lower_s (jaxpr -> StableHLO, where the Pallas kernels become Triton IR), compile_s, and
          temp_gib from the compiled step's memory analysis.
 
---platform=cuda on a machine without a GPU lowers for CUDA (the Pallas KDA kernels compiled, not
-interpreted) and stops there: tracing and lowering are host work, so they can be measured on the CPU
-machine; compile times need the target device. The start line gives the decoder's layer plan
-(`k3jax.model.layer_plan`: scanned groups, period, unrolled layers); compare with the unrolled loop
-through --gin_bindings='ModelConfig.scan_layers = False'.
+--platform=cuda on a machine without a GPU lowers for CUDA and stops there (compile times need the
+target device), but with the CPU machine's kernel choices: 'auto' picks the XLA KDA, the XLA
+attention and the tiled grouped matmul there, because the GPU's Pallas (Triton) and Mosaic kernels
+need a GPU device to lower ('No supported GPU devices found' with
+ModelConfig.kda_backend = 'pallas'). Its trace and lower times are the host work of that program,
+not of the GPU's (run 14: small.gin's step 4.3 s traced + 1.8 s lowered on a CPU machine, 15-20 s
+on the GPU machine, of which ~4 s lowering Mosaic kernels). The start line gives the decoder's
+layer plan (`k3jax.model.layer_plan`: scanned groups, period, unrolled layers); compare the scan
+with the unrolled loop through --gin_bindings='ModelConfig.scan_layers = True' (or False).
 
   PYTHONPATH=. python experiments/benchmarks/startup_bench.py --gin_file=gin_configs/small.gin \
       --seq_len=2048 --batch=16 [--platform=cuda]
@@ -22,7 +26,6 @@ through --gin_bindings='ModelConfig.scan_layers = False'.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import re
 import time
@@ -53,18 +56,7 @@ def measure(cfg, batch: int, seq_len: int, platform: str) -> list[dict]:
   compile_here = platform == jax.default_backend() or (platform == "cuda" and
                                                        jax.default_backend() == "gpu")
   lowering = {} if compile_here else {"lowering_platforms": (platform,)}
-  if not (platform == "cuda" and jax.default_backend() == "cpu"):
-    return _measure(cfg, batch, seq_len, compile_here, lowering)
-  # The KDA op interprets the Pallas kernels on a CPU backend; lower the compiled ones instead.
-  import pallas_kernels.kda as pallas_kda
-  from k3jax.ops import kda as kda_ops
-  load = kda_ops._load_pallas_chunk_kda
-  kda_ops._load_pallas_chunk_kda = lambda: functools.partial(pallas_kda.chunk_kda,
-                                                             interpret=False)
-  try:
-    return _measure(cfg, batch, seq_len, compile_here, lowering)
-  finally:
-    kda_ops._load_pallas_chunk_kda = load
+  return _measure(cfg, batch, seq_len, compile_here, lowering)
 
 
 def _measure(cfg, batch, seq_len, compile_here, lowering):
