@@ -89,9 +89,14 @@ def _rms_scale(x: jax.Array, eps: float) -> jax.Array:
   return jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
 
 
+def _normed(x: jax.Array, r: jax.Array, weight: jax.Array) -> jax.Array:
+  """x · r · weight in fp32 (the RMSNorm's output, from its scale r)."""
+  return x.astype(jnp.float32) * r * weight.astype(jnp.float32)
+
+
 def _rms_norm_fwd(x, weight, eps):
   r = _rms_scale(x, eps)
-  return x.astype(jnp.float32) * r * weight.astype(jnp.float32), (x, weight, r)
+  return _normed(x, r, weight), (x, weight, r)
 
 
 def _rms_norm_bwd(eps, residuals, dy):
@@ -145,7 +150,7 @@ def _gated_rms_norm_fwd(x, gate, weight, eps):
 def _gated_rms_norm_bwd(eps, residuals, dy):
   """The sigmoid gate's VJP at the recomputed n = x·r·w, then the norm's."""
   x, gate, weight, r = residuals
-  n = x.astype(jnp.float32) * r * weight.astype(jnp.float32)
+  n = _normed(x, r, weight)
   dn, dgate = _sigmoid_gate_bwd((n, gate), dy)
   dx, dw = _rms_norm_bwd(eps, (x, weight, r), dn)
   return dx, dgate, dw
