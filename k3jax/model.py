@@ -422,8 +422,24 @@ def unrolled_to_scanned(tree: Any, cfg: ModelConfig) -> Any:
 def to_layout(tree: Any, cfg: ModelConfig) -> Any:
   """`tree` (scanned or per-layer layout, any scan period) in the layout of `cfg`'s decoder: a
   checkpoint written with scan_layers on restores into a model with it off, and the other way.
-  Arguments as in `unrolled_to_scanned`."""
-  return unrolled_to_scanned(scanned_to_unrolled(tree), cfg)
+  Arguments as in `unrolled_to_scanned`. A tree already in that layout comes back as is (no
+  unstacking and restacking of every scanned parameter on each restore; `unrolled_to_scanned`
+  itself rejects a scanned tree, whose scan module holds some of each position's layer names).
+  """
+  plan = layer_plan(cfg)
+  scans = _scan_modules(tree)
+  if scans == ({plan.scan_name} if plan.num_groups else set()):
+    return tree
+  return unrolled_to_scanned(scanned_to_unrolled(tree) if scans else tree, cfg)
+
+
+def _scan_modules(tree: Any) -> set[str]:
+  """The names of the scanned modules (`scanned_period_{p}`) anywhere in `tree`'s dict keys."""
+  names = set()
+  for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+    names.update(str(k.key) for k in path
+                 if isinstance(k, jax.tree_util.DictKey) and _SCAN_MODULE.match(str(k.key)))
+  return names
 
 
 def scanned_to_unrolled(tree: Any) -> Any:

@@ -289,6 +289,8 @@ def test_runs_restore_across_the_decoder_layouts(tmp_path):
   assert np.all(np.isfinite(np.asarray(logits)))
   result = train_lib.train(new, workdir, max_steps=3, progress=False, tensorboard=False)
   assert result.step == 3
+  cfg, params, _, meta = checkpoint_lib.restore_run(workdir, log=lambda _: None)   # as it is
+  assert meta["step"] == 3 and cfg.model.scan_layers and "layer_1" not in params
   # ... and back: the scanned checkpoint of step 3 into the per-layer decoder.
   train_lib.write_config(workdir, old)
   cfg, params, _, meta = checkpoint_lib.restore_run(workdir, log=lambda _: None)

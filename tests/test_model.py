@@ -14,7 +14,7 @@ from k3jax import config as config_lib
 from k3jax import optim as optim_lib
 from k3jax.evaluate import moe_stats_by_layer
 from k3jax.model import K3Model, count_params, init_variables, layer_plan
-from k3jax.model import scanned_to_unrolled, unrolled_to_scanned
+from k3jax.model import scanned_to_unrolled, to_layout, unrolled_to_scanned
 from testlib import error_ratio
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
@@ -313,6 +313,10 @@ def test_layout_converters_round_trip_and_reject_partial_trees():
   converted = unrolled_to_scanned(opt_state, cfg)
   assert jax.tree.structure(converted[0].mu) == jax.tree.structure(scanned)
   assert unrolled_to_scanned(params, loop_cfg) is params
+  # to_layout: either layout into either; a tree already in the target layout keeps its arrays.
+  jax.tree.map(np.testing.assert_array_equal, to_layout(scanned, loop_cfg), params)
+  jax.tree.map(np.testing.assert_array_equal, to_layout(params, cfg), scanned)
+  assert to_layout(scanned, cfg) is scanned and to_layout(params, loop_cfg) is params
   broken = {k: v for k, v in params.items() if k != "layer_5"}
   with pytest.raises(ValueError, match="layer_5"):
     unrolled_to_scanned(broken, cfg)
