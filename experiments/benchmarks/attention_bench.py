@@ -1,12 +1,14 @@
 """Packed-document softmax attention on one GPU: the previous dense-mask path against the new ones.
 
-MLA's head dims (H 6, q/k 192, v 128), bf16, B 1, causal within documents. Variants:
+MLA's head dims (H 6, q/k 192, v 128), bf16, B 1 (--batch), causal within documents. Variants:
   dense_mask_cudnn    the previous k3jax path (copied here): a [B, T, T] mask from segment ids,
                       cuDNN with it as a [B, 1, T, T] mask, V padded to 192.
   cudnn_causal        cuDNN, plain causal over the whole row, no mask (the reference speed; not
                       document attention, so no numerics row).
   tokamax             tokamax Mosaic GPU, Mask(k_start=document start, is_causal=True), its stock
-                      sm90 backward.
+                      sm90 backward (its heuristic tiles).
+  tokamax_vjp         the same with the backward's tiles given; one row per --tokamax-vjp-configs
+                      entry.
   tokamax_pallas_bwd  the same forward, pallas_kernels.flash_attention's backward (skips blocks
                       outside the documents); one row per --pallas-configs entry.
   pallas              pallas_kernels.flash_attention forward and backward; one row per entry.
@@ -47,8 +49,12 @@ from k3jax.ops import attention_gpu  # noqa: E402
 from k3jax.ops.attention import attention  # noqa: E402
 from pallas_kernels.flash_attention import FlashConfig  # noqa: E402
 
-VARIANTS = ("dense_mask_cudnn", "cudnn_causal", "tokamax", "tokamax_pallas_bwd", "pallas",
-            "cudnn_packed", "xla")
+VARIANTS = ("dense_mask_cudnn", "cudnn_causal", "tokamax", "tokamax_vjp", "tokamax_pallas_bwd",
+            "pallas", "cudnn_packed", "xla")
+# tokamax's sm90 backward tiles (block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_stages,
+# compute_wgs): its heuristic is 64,64,64,64,2,2; these are its autotuning set's corners.
+TOKAMAX_VJP_CONFIGS = ("64,128,64,128,2,2", "128,64,128,64,2,2", "64,128,128,64,2,2",
+                       "128,128,128,128,2,1", "64,64,64,64,3,2", "128,128,64,64,2,1")
 # block_q, block_k, block_q_dkv, block_k_dkv, num_warps, num_stages (the same launch for all three
 # kernels). Head dim 192 is read as 128 + 64 inside the kernels (it was padded to 256 until run 12):
 # 64-row tiles keep q, k, v of a step within the H200's shared memory at 2 stages.
@@ -69,8 +75,11 @@ def flash_config(spec: str, interpret: bool) -> FlashConfig:
                      fwd_launch=launch, dq_launch=launch, dkv_launch=launch, interpret=interpret)
 
 
-def segments(t: int, n_docs: int, pad: int, seed: int = 0) -> np.ndarray:
-  """[1, t] int32: n_docs documents (uniform random partition of t - pad tokens), then pad zeros."""
+def segments(t: int, n_docs: int, pad: int, seed: int = 0, batch: int = 1) -> np.ndarray:
+  """[batch, t] int32: per row n_docs documents (a uniform random partition of t - pad tokens;
+  row r drawn with seed + r), then pad zeros."""
+  if batch > 1:
+    return np.concatenate([segments(t, n_docs, pad, seed + r) for r in range(batch)])
   rng = np.random.default_rng(seed)
   cuts = np.sort(rng.choice(np.arange(1, t - pad), size=n_docs - 1, replace=False))
   bounds = [0, *cuts.tolist(), t - pad]
@@ -141,6 +150,12 @@ def variant_fns(name: str, seg, scale: float, args) -> list[tuple[str, object]]:
   if name == "tokamax":
     return [(name, lambda q, k, v: attention_gpu.tokamax_attention(q, k, v, seg, scale=scale,
                                                                      causal=True))]
+  if name == "tokamax_vjp":
+    return [(f"{name}[{spec}]", functools.partial(
+        lambda q, k, v, cfg: attention_gpu.tokamax_attention(q, k, v, seg, scale=scale,
+                                                             causal=True, vjp_config=cfg),
+        cfg=tuple(int(x) for x in spec.split(","))))
+        for spec in args.tokamax_vjp_configs.split(";")]
   if name in ("tokamax_pallas_bwd", "pallas"):
     forward = "tokamax" if name == "tokamax_pallas_bwd" else "pallas"
     out = []
@@ -160,11 +175,11 @@ def variant_fns(name: str, seg, scale: float, args) -> list[tuple[str, object]]:
   raise ValueError(f"unknown variant {name!r}; choose from {VARIANTS}")
 
 
-def inputs(t: int, h: int, d: int, dv: int, seed: int = 0):
+def inputs(t: int, h: int, d: int, dv: int, seed: int = 0, batch: int = 1):
   ks = jax.random.split(jax.random.PRNGKey(seed), 4)
   mk = lambda key, shape: jax.random.normal(key, shape, jnp.float32).astype(jnp.bfloat16)
-  return (mk(ks[0], (1, t, h, d)), mk(ks[1], (1, t, h, d)), mk(ks[2], (1, t, h, dv)),
-          mk(ks[3], (1, t, h, dv)))
+  return (mk(ks[0], (batch, t, h, d)), mk(ks[1], (batch, t, h, d)), mk(ks[2], (batch, t, h, dv)),
+          mk(ks[3], (batch, t, h, dv)))
 
 
 def vjp_fn(f):
@@ -241,9 +256,9 @@ def numerics(args, t: int, h: int, d: int, dv: int):
 
 
 def timings(args, t: int, n_docs: int, h: int, d: int, dv: int):
-  seg = segments(t, n_docs, pad=0, seed=0)
+  seg = segments(t, n_docs, pad=0, seed=0, batch=args.batch)
   scale = d ** -0.5
-  q, k, v, do = inputs(t, h, d, dv)
+  q, k, v, do = inputs(t, h, d, dv, batch=args.batch)
   for name in args.variants.split(","):
     if name == "xla" and t > args.xla_max_t:
       continue
@@ -259,7 +274,8 @@ def timings(args, t: int, n_docs: int, h: int, d: int, dv: int):
             ms = time_ms(jax.jit(f), (q, k, v), reps=args.reps)
           else:
             ms = time_ms(jax.jit(vjp_fn(f)), (q, k, v, do), reps=args.reps)
-          emit(kind="time", variant=label, mode=mode, T=t, H=h, D=d, Dv=dv, docs=doc_lengths(seg),
+          emit(kind="time", variant=label, mode=mode, B=args.batch, T=t, H=h, D=d, Dv=dv,
+               docs=doc_lengths(seg[:1]),
                ms=round(ms, 4))
         except Exception as e:  # pylint: disable=broad-except
           emit(kind="time", variant=label, mode=mode, T=t, error=f"{type(e).__name__}: {e}"[:2000],
@@ -274,6 +290,9 @@ def main():
   p.add_argument("--numerics-t", default="2048,8192", help="T of the numerics rows ('' for none)")
   p.add_argument("--numerics-docs", type=int, default=8)
   p.add_argument("--heads", type=int, default=6)
+  p.add_argument("--batch", type=int, default=1, help="rows of the timings (each its own documents)")
+  p.add_argument("--tokamax-vjp-configs", default=";".join(TOKAMAX_VJP_CONFIGS),
+                 help="';'-separated tokamax backward tiles for the tokamax_vjp variant")
   p.add_argument("--head-dim", type=int, default=192)
   p.add_argument("--v-dim", type=int, default=128)
   p.add_argument("--pallas-configs", default=";".join(PALLAS_CONFIGS),
@@ -285,7 +304,7 @@ def main():
                  help="small shapes on CPU: xla and pallas (interpreter) variants")
   args = p.parse_args()
   if args.smoke:
-    args.variants = "xla,pallas,tokamax"
+    args.variants = "xla,pallas,tokamax,tokamax_vjp"
     args.shapes, args.numerics_t, args.numerics_docs = "256x1,512x4", "256", 4
     args.heads, args.head_dim, args.v_dim = 2, 48, 32
     args.pallas_configs, args.reps, args.xla_max_t = "32,32,32,32,4,2", 2, 512

@@ -74,15 +74,24 @@ def compute_capability() -> Optional[tuple[int, int]]:
 
 
 @functools.cache
-def _tokamax_mosaic():
+def _tokamax_mosaic(vjp_config: Optional[tuple[int, ...]] = None):
   """(op, Mask): tokamax 0.0.17's Mosaic GPU flash attention op and its mask class.
 
+  vjp_config: None for tokamax's heuristic sm90 backward tiles, or (block_q_dkv, block_kv_dkv,
+  block_q_dq, block_kv_dq, num_stages, compute_wgs) for its backward kernels.
   The only place that reaches into tokamax's private `_src`: the public
   `tokamax.dot_product_attention` takes arbitrary masks only as dense [T, S] booleans.
   """
   from tokamax._src.ops.attention import base as tk_base  # pylint: disable=import-outside-toplevel
   from tokamax._src.ops.attention import pallas_mosaic_gpu as tk_mgpu  # pylint: disable=import-outside-toplevel
-  return tk_mgpu.PallasMosaicGpuFlashAttention(), tk_base.Mask
+  if vjp_config is None:
+    return tk_mgpu.PallasMosaicGpuFlashAttention(), tk_base.Mask
+  from tokamax._src.ops.attention import pallas_mosaic_gpu_vjp as tk_vjp  # pylint: disable=import-outside-toplevel
+  names = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq", "num_stages", "compute_wgs")
+  if len(vjp_config) != len(names):
+    raise ValueError(f"vjp_config must be {names}, got {vjp_config!r}")
+  vjp = tk_vjp.PallasMosaicGpuFlashAttentionVjp(config=tk_vjp.Config(**dict(zip(names, vjp_config))))
+  return tk_mgpu.PallasMosaicGpuFlashAttention(vjp=vjp), tk_base.Mask
 
 
 def _tokamax_mask(segment_ids: Optional[jax.Array], t: int, causal: bool):
@@ -97,10 +106,10 @@ def _tokamax_mask(segment_ids: Optional[jax.Array], t: int, causal: bool):
 
 
 def tokamax_attention(q, k, v, segment_ids: Optional[jax.Array], *, scale: float,
-                      causal: bool) -> jax.Array:
+                      causal: bool, vjp_config: Optional[tuple[int, ...]] = None) -> jax.Array:
   """tokamax Mosaic GPU forward and its stock backward. q [B,T,H,D], k/v [B,T,Hk,D|Dv],
-  segment_ids [B, T] int32 or None -> [B, T, H, Dv] in q.dtype."""
-  op, _ = _tokamax_mosaic()
+  segment_ids [B, T] int32 or None -> [B, T, H, Dv] in q.dtype. vjp_config: `_tokamax_mosaic`."""
+  op, _ = _tokamax_mosaic(vjp_config)
   out = op(q, k, v, mask=_tokamax_mask(segment_ids, q.shape[1], causal), logits_scale=scale)
   return out if segment_ids is None else _zero_padding(out, segment_ids)
 
