@@ -12,10 +12,10 @@ train_bench.random_rows; batch i is seed i) once per path:
               The reference every other path is compared with.
   new         today's defaults ('auto' for both). On an H200 at 2048 tokens per row: tokamax's
               Mosaic flash attention with its stock backward (`ops/attention.py`: 'auto' picks
-              'tokamax' up to AUTO_TOKAMAX_MAX_T = 16384 tokens per row, the Pallas backward
-              above) and tokamax's Mosaic grouped matmul.
+              'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row (16384 then, 4096 since
+              run 16), the Pallas backward above) and tokamax's Mosaic grouped matmul.
   pallas_bwd  'auto' MoE with `attention_impl = 'tokamax_pallas_bwd'`: tokamax's forward and
-              k3jax's Pallas backward, which 'auto' uses only above 16K-token rows (GPU only).
+              k3jax's Pallas backward, which 'auto' used only above 16K-token rows then (GPU only).
 
 Both 'auto' choices fall back to XLA on CPU: there 'old' and 'new' compile the same program and
 their losses are equal to the bit. The KDA backend is the config's own ('auto') on every path.

@@ -23,8 +23,9 @@ Implementations:
   'auto'                on an NVIDIA GPU with bf16/fp16 self-attention: 'cudnn' without segment
                         ids; with them on sm90+, 'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row
                         and 'tokamax_pallas_bwd' above; 'xla' otherwise (CPU, positions, fp32).
-Measured on an H200 at MLA's head dims (RESULTS.md, run 9), forward+backward ms: T = 8192 with one
-document, tokamax 1.52, tokamax + Pallas backward 2.09; T = 65536 with 8 documents, tokamax 62.7
+Measured on an H200 at MLA's head dims (RESULTS.md, runs 9 and 16), forward+backward ms: T = 8192
+with one document, tokamax 1.52, tokamax + Pallas backward 2.09; 4 rows of 8192 with three
+documents each, tokamax 4.61, tokamax + Pallas backward 3.73; T = 65536 with 8 documents, tokamax 62.7
 (its backward pays a whole causal pass), tokamax + Pallas backward 18.6 (the previous dense-mask
 cuDNN path: 438).
 """
@@ -48,7 +49,11 @@ DEFAULT_Q_BLOCK = 512
 DEFAULT_KV_BLOCK = 512
 # 'auto' on packed rows: tokamax's stock backward up to this row length (rows of about one document,
 # where its causal pass wastes little and runs faster), the block-skipping Pallas backward above.
-AUTO_TOKAMAX_MAX_T = 16384
+# At 8192-token rows of several documents the Pallas backward already wins (H200, B 4, H 6,
+# documents of 5218/1749/1225 tokens: 3.73 ms forward+backward against 4.61; a training step of
+# rows with 2.25 documents on average: small.gin −1.1 ms, medium.gin −6.4 ms), and loses only on
+# rows of a single document (7.06 against 5.06 ms); RESULTS.md, run 16.
+AUTO_TOKAMAX_MAX_T = 4096
 
 
 def _positions(pos: Optional[jax.Array], batch: int, length: int, name: str) -> Optional[jax.Array]:
