@@ -136,7 +136,7 @@ def test_rejects_bad_input():
 def test_compiled_gradient_recomputes_instead_of_keeping_the_forward_intermediates():
   """In one jitted value-and-gradient (a training step), XLA's common-subexpression elimination
   merged the backward's recomputed tanh(a/β1) and tanh(b/β2) with the forward's: the forward then
-  wrote both fp32 arrays out for the backward (13.7 GB a step on small.gin). With the backward's
+  wrote both fp32 arrays out for the backward (12.2 GiB a step on small.gin). With the backward's
   residuals behind an optimization barrier the compiled program computes each tanh twice."""
   gate, up, _ = _inputs(5, jnp.bfloat16)
   w = jnp.asarray(np.random.default_rng(5).normal(size=(40, 8)), jnp.bfloat16)
