@@ -32,6 +32,7 @@ def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
 DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
+CONV_BACKWARDS = ("xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
 PRECOMPILE_MODES = ("auto", "on", "off")
@@ -65,6 +66,9 @@ class ModelConfig:
   kda_gate_lower_bound: Optional[float] = -5.0   # None: the unbounded softplus gate (ablation)
   kda_chunk_size: int = 64
   kda_backend: str = "auto"       # auto | xla | pallas
+  # The short convs' backward: 'xla' (fused XLA ops) or 'pallas' (one Pallas kernel,
+  # pallas_kernels/short_conv; interpreted on CPU). 'pallas' is not yet measured on a GPU.
+  kda_conv_backward: str = "xla"
 
   # Gated MLA
   mla_num_heads: int = 2
@@ -151,6 +155,8 @@ class ModelConfig:
     _check(self.param_dtype in DTYPES, p + "param_dtype", f"one of {DTYPES}", self.param_dtype)
     _check(self.kda_backend in KDA_BACKENDS, p + "kda_backend", f"one of {KDA_BACKENDS}",
            self.kda_backend)
+    _check(self.kda_conv_backward in CONV_BACKWARDS, p + "kda_conv_backward",
+           f"one of {CONV_BACKWARDS}", self.kda_conv_backward)
     _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
            f"one of {ATTENTION_IMPLS}", self.attention_impl)
     _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)

@@ -8,6 +8,8 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
 
   vjp                k3jax's conv_silu: dy materialised in fp32, dx from shifted copies of it, one
                      reduction per tap for the kernel gradient.
+  pallas_bwd         conv_silu(..., backward='pallas'): the same forward, the backward as one Pallas
+                     kernel (pallas_kernels/short_conv; ModelConfig.kda_conv_backward = 'pallas').
   shifted_recompute  tried in session 16 and not adopted (1.7-1.8x slower on an H200, RESULTS.md
                      run 16): each of dx's W terms recomputes y and dy at its shift from the inputs,
                      so that nothing [B, T, C] is materialised; XLA's fused kernel is then bound by
@@ -88,7 +90,12 @@ def _autodiff(x, kernel, segment_ids, out_dtype):
   return jax.nn.silu(y).astype(out_dtype)
 
 
-VARIANTS = {"vjp": conv.conv_silu, "shifted_recompute": _shifted_recompute, "autodiff": _autodiff}
+def _pallas(x, kernel, segment_ids, out_dtype):
+  return conv.conv_silu(x, kernel, segment_ids, out_dtype, backward="pallas")
+
+
+VARIANTS = {"vjp": conv.conv_silu, "pallas_bwd": _pallas, "shifted_recompute": _shifted_recompute,
+            "autodiff": _autodiff}
 
 
 def packed_segments(batch: int, t: int, mean_doc: int, seed: int = 0) -> np.ndarray:
@@ -143,7 +150,7 @@ def main():
       grads[name] = fn(x, kernel)[1]
       print(json.dumps(dict(kind="time", variant=name, B=b, T=t, C=c, ms=round(ms, 4))), flush=True)
     # Each VJP's gradients against autodiff's (all from bf16 inputs, fp32 math).
-    for name in ("vjp", "shifted_recompute"):
+    for name in ("vjp", "pallas_bwd", "shifted_recompute"):
       for i, g in enumerate(("dx", "dkernel")):
         a = np.asarray(grads[name][i], np.float32)
         r = np.asarray(grads["autodiff"][i], np.float32)

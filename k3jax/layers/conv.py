@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax.layers.common import logical_param
+from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd
 
 
 def causal_conv1d(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array] = None,
@@ -147,9 +148,30 @@ def _conv_silu(x, kernel, segment_ids, out_dtype):
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
+def _conv_silu_pallas_bwd(out_dtype, residuals, dout):
+  """`_conv_silu_bwd`'s math as one Pallas kernel (pallas_kernels/short_conv), interpreted on CPU."""
+  del out_dtype
+  x, kernel, segment_ids = residuals
+  config = ConvConfig(interpret=jax.default_backend() == "cpu")
+  dx, dkernel = conv_silu_bwd(x, kernel, segment_ids, dout, config)
+  return dx, dkernel, None
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _conv_silu_pallas(x, kernel, segment_ids, out_dtype):
+  return _conv_silu_fwd(x, kernel, segment_ids, out_dtype)[0]
+
+
+_conv_silu_pallas.defvjp(_conv_silu_fwd, _conv_silu_pallas_bwd)
+BACKWARDS = {"xla": _conv_silu, "pallas": _conv_silu_pallas}
+
+
 def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
-              out_dtype) -> jax.Array:
+              out_dtype, backward: str = "xla") -> jax.Array:
   """silu(causal_conv1d(x, kernel, segment_ids)) in `out_dtype`, for training (no state).
+
+  backward: 'xla' (`_conv_silu_bwd`) or 'pallas' (the same math in one Pallas kernel,
+  `pallas_kernels.short_conv.conv_silu_bwd`); the forward is the same XLA computation.
 
   x [B, T, C]; kernel [W, C]; segment_ids [B, T] int or None. The same values as the two-step
   computation (fp32 math), with a hand-written VJP that keeps only x (in its dtype), the kernel
@@ -163,7 +185,9 @@ def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
   if segment_ids is not None and segment_ids.shape != x.shape[:2]:
     raise ValueError(f"conv_silu: segment_ids must be [B, T] = {x.shape[:2]}, got "
                      f"{segment_ids.shape}")
-  return _conv_silu(x, kernel, segment_ids, jnp.dtype(out_dtype))
+  if backward not in BACKWARDS:
+    raise ValueError(f"conv_silu: backward must be one of {tuple(BACKWARDS)}, got {backward!r}")
+  return BACKWARDS[backward](x, kernel, segment_ids, jnp.dtype(out_dtype))
 
 
 class ShortConv(nn.Module):
@@ -173,12 +197,14 @@ class ShortConv(nn.Module):
     width: kernel size W (>= 1).
     channel_axis: logical axis name of the channel dim of the kernel (kernel axes ('conv', this)).
     dtype: output dtype. param_dtype: kernel dtype.
+    backward: `conv_silu`'s backward, 'xla' or 'pallas'.
   Call: x [B, T, C], segment_ids [B, T] int or None, decode -> [B, T, C] in `dtype`.
   """
   width: int = 4
   channel_axis: str = "heads"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  backward: str = "xla"
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
@@ -192,7 +218,7 @@ class ShortConv(nn.Module):
     if segment_ids is not None and segment_ids.shape != (b, t):
       raise ValueError(f"segment_ids must have shape {(b, t)}, got {segment_ids.shape}")
     if not decode:
-      return conv_silu(x, kernel, segment_ids, self.dtype)
+      return conv_silu(x, kernel, segment_ids, self.dtype, self.backward)
 
     initializing = self.is_initializing()
     state = self.variable("cache", "conv_state", jnp.zeros, (b, self.width - 1, c), x.dtype)

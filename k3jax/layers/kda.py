@@ -79,7 +79,8 @@ class KDALayer(nn.Module):
 
     def conv(name, y):
       return ShortConv(width=cfg.kda_conv_size, channel_axis="heads", dtype=dtype,
-                       param_dtype=param_dtype, name=name)(y, segment_ids, decode=decode)
+                       param_dtype=param_dtype, backward=cfg.kda_conv_backward,
+                       name=name)(y, segment_ids, decode=decode)
 
     q = jnp.einsum("btd,dhk->bthk", x,
                    config_weight(self, "q_proj", (d, h, dk), ("embed", "heads", "head_dim")))

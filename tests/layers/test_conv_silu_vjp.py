@@ -30,16 +30,18 @@ def _inputs(dtype, width=4, shape=(2, 12, 6)):
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize("segments", [True, False])
 @pytest.mark.parametrize("width", [1, 4])
-def test_values_and_gradients_match_autodiff(dtype, tol, segments, width):
+@pytest.mark.parametrize("backward", ["xla", "pallas"])
+def test_values_and_gradients_match_autodiff(dtype, tol, segments, width, backward):
   x, kernel, cot = _inputs(dtype, width)
   seg = SEG if segments else None
-  out = conv_silu(x, kernel, seg, dtype)
+  out = conv_silu(x, kernel, seg, dtype, backward)
   ref = reference(x, kernel, seg, dtype)
   assert out.dtype == ref.dtype
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                              rtol=tol, atol=tol)
+  ours = lambda x, k, seg, dtype: conv_silu(x, k, seg, dtype, backward)
   loss = lambda f: (lambda x, k: jnp.sum(f(x, k, seg, dtype).astype(jnp.float32) * cot))
-  for a, b in zip(jax.grad(loss(conv_silu), (0, 1))(x, kernel),
+  for a, b in zip(jax.grad(loss(ours), (0, 1))(x, kernel),
                   jax.grad(loss(reference), (0, 1))(x, kernel)):
     assert a.dtype == b.dtype
     scale = float(jnp.max(jnp.abs(b.astype(jnp.float32))))
@@ -70,8 +72,10 @@ def test_backward_keeps_only_the_bf16_input():
   assert old.count(f32_full) >= 2, old   # the check sees what autodiff keeps
 
 
-def test_bad_shapes_raise():
+def test_bad_shapes_and_backward_raise():
   x, kernel, _ = _inputs(jnp.float32)
+  with pytest.raises(ValueError, match="backward must be one of"):
+    conv_silu(x, kernel, None, jnp.float32, "triton")
   with pytest.raises(ValueError, match="kernel"):
     conv_silu(x, kernel[:, :3], None, jnp.float32)
   with pytest.raises(ValueError, match="segment_ids"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import flax
 import jax
@@ -207,3 +208,20 @@ def test_bfloat16_close_to_float32():
   assert y16.dtype == jnp.bfloat16
   err = np.abs(np.asarray(y16.astype(jnp.float32)) - y32).max()
   assert err < 0.05 * np.abs(y32).max(), err
+
+
+def test_conv_backward_setting_reaches_the_three_short_convs():
+  """ModelConfig.kda_conv_backward = 'pallas' puts the Pallas kernel in the layer's gradient, once
+  per short conv (its values: tests/layers/test_conv_silu_vjp.py, tests/pallas/test_short_conv.py);
+  'xla' has none."""
+  x = jax.random.normal(jax.random.PRNGKey(4), (1, 22, BASE.d_model))
+  variables = KDALayer(BASE).init(jax.random.PRNGKey(6), x)
+
+  def kernels_in_gradient(backward):
+    layer = KDALayer(dataclasses.replace(BASE, kda_conv_backward=backward))
+    loss = lambda v, x: jnp.sum(layer.apply(v, x, SEG[:1]))
+    jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables, x))
+    return len(re.findall(r"jaxpr=short_conv_silu_bwd\d*\b", jaxpr))   # one pallas_call each
+
+  assert kernels_in_gradient("pallas") == 3
+  assert kernels_in_gradient("xla") == 0

@@ -1,0 +1,94 @@
+"""pallas_kernels/short_conv: the short conv + SiLU backward kernel (Pallas interpreter) against a
+naive per-token loop of the same gradient, and against autodiff of the forward."""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from k3jax.layers.conv import causal_conv1d
+from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd
+
+# Documents of 3, 4, 2 tokens, padding, a document of 5; a row of two documents; 14 tokens, so the
+# 4-token tiles below leave a partial last tile and documents cross tile edges.
+SEG = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0, 0, 4, 4],
+                [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]], np.int32)
+SMALL_TILES = ConvConfig(block_t=4, block_c=8, interpret=True)
+
+
+def naive_bwd(x, kernel, seg, dout):
+  """The gradient by its definition, one token at a time in float64: dy[t] = dout[t]·silu'(y[t]),
+  then each input's share of every output it reaches."""
+  x, kernel, dout = (np.asarray(a, np.float64) for a in (x, kernel, dout))
+  b, t, c = x.shape
+  width = kernel.shape[0]
+  seg = np.ones((b, t), np.int32) if seg is None else np.asarray(seg)
+  dx, dk = np.zeros_like(x), np.zeros_like(kernel)
+  for bi in range(b):
+    for ti in range(t):
+      if seg[bi, ti] == 0:
+        continue
+      taps = [j for j in range(width) if ti - j >= 0 and seg[bi, ti - j] == seg[bi, ti]]
+      y = sum(kernel[width - 1 - j] * x[bi, ti - j] for j in taps)
+      s = 1.0 / (1.0 + np.exp(-y))
+      dy = dout[bi, ti] * s * (1.0 + y * (1.0 - s))
+      for j in taps:
+        dx[bi, ti - j] += kernel[width - 1 - j] * dy
+        dk[width - 1 - j] += dy * x[bi, ti - j]
+  return dx, dk
+
+
+def _inputs(width, c, dtype, seed=0):
+  kx, kk, kd = jax.random.split(jax.random.PRNGKey(seed), 3)
+  x = (2.0 * jax.random.normal(kx, (2, 14, c))).astype(dtype)
+  kernel = 0.5 * jax.random.normal(kk, (width, c))
+  dout = jax.random.normal(kd, (2, 14, c)).astype(dtype)
+  return x, kernel, dout
+
+
+@pytest.mark.parametrize("width", [1, 3, 4])
+@pytest.mark.parametrize("segments", [True, False])
+def test_matches_the_naive_gradient(width, segments):
+  x, kernel, dout = _inputs(width, 20, jnp.float32, seed=width)
+  seg = jnp.asarray(SEG) if segments else None
+  dx, dk = conv_silu_bwd(x, kernel, seg, dout, SMALL_TILES)
+  want_dx, want_dk = naive_bwd(x, kernel, None if seg is None else SEG, dout)
+  assert dx.shape == x.shape and dk.shape == kernel.shape
+  np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dk), want_dk, rtol=1e-5, atol=1e-4)
+  if segments:   # padding inputs get no gradient
+    assert np.all(np.asarray(dx)[0, 9:12] == 0)
+
+
+def test_bf16_matches_autodiff_of_the_forward():
+  x, kernel, dout = _inputs(4, 16, jnp.bfloat16, seed=7)
+  kernel = kernel.astype(jnp.bfloat16)
+  seg = jnp.asarray(SEG)
+
+  def forward(x, k):
+    y, _ = causal_conv1d(x, k, seg)
+    return jax.nn.silu(y).astype(jnp.bfloat16)
+
+  _, vjp = jax.vjp(forward, x, kernel)
+  want_dx, want_dk = vjp(dout)
+  dx, dk = conv_silu_bwd(x, kernel, seg, dout, SMALL_TILES)
+  assert dx.dtype == jnp.bfloat16 and dk.dtype == jnp.bfloat16
+  for got, want in ((dx, want_dx), (dk, want_dk)):
+    scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
+                               rtol=2e-2, atol=2e-2 * scale)
+
+
+def test_default_tiles_and_bad_input():
+  x, kernel, dout = _inputs(4, 20, jnp.float32)
+  dx, dk = conv_silu_bwd(x, kernel, jnp.asarray(SEG), dout, ConvConfig(interpret=True))
+  want_dx, want_dk = naive_bwd(x, kernel, SEG, dout)
+  np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dk), want_dk, rtol=1e-5, atol=1e-4)
+  with pytest.raises(ValueError, match="power of two"):
+    ConvConfig(block_t=24)
+  with pytest.raises(ValueError, match="segment_ids"):
+    conv_silu_bwd(x, kernel, jnp.asarray(SEG[:, :5]), dout, SMALL_TILES)
+  with pytest.raises(ValueError, match="do not fit"):
+    conv_silu_bwd(x, kernel[:, :3], None, dout, SMALL_TILES)
