@@ -197,9 +197,14 @@ def test_latent_moe_gradients_equal_across_grouped_matmuls():
       return jnp.sum(jnp.sin(y))
 
     results[choice] = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(variables["params"], x)
+  # Equal to fp32 rounding: each choice is its own compiled program (fused differently), and an
+  # entry that is a cancelling sum can differ by more than rtol alone allows (2 of 576 entries,
+  # 6e-5 relative, once situ_glu's backward stopped sharing the forward's tanh); atol is relative
+  # to the leaf's scale. A wrong grouped matmul is off by the scale itself.
   for choice in ("tiled", "ragged_dot"):
     for got, want in zip(jax.tree.leaves(results["tokamax"]), jax.tree.leaves(results[choice])):
-      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6,
+      scale = float(np.max(np.abs(np.asarray(want))))
+      np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5 * scale,
                                  err_msg=choice)
 
 
