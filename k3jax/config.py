@@ -67,7 +67,8 @@ class ModelConfig:
   kda_chunk_size: int = 64
   kda_backend: str = "auto"       # auto | xla | pallas
   # The short convs' backward: 'xla' (fused XLA ops) or 'pallas' (one Pallas kernel,
-  # pallas_kernels/short_conv; interpreted on CPU). 'pallas' is not yet measured on a GPU.
+  # pallas_kernels/short_conv; interpreted on CPU). 'pallas' is not yet measured on a GPU, and not
+  # yet split over a batch-sharded mesh (XLA would gather the batch onto each device for it).
   kda_conv_backward: str = "xla"
 
   # Gated MLA
