@@ -91,10 +91,6 @@ def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, *, width: int, 
     dw_ref[k, :] = jnp.zeros((dw_ref.shape[1],), jnp.float32)
 
 
-def _round_up(n: int, m: int) -> int:
-  return -(-n // m) * m
-
-
 def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
                   config: ConvConfig = ConvConfig()) -> tuple[jax.Array, jax.Array]:
   """(dx, dkernel) of out = silu(causal depthwise conv(x, kernel)) (module docstring).
@@ -115,7 +111,7 @@ def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
                      f"{segment_ids.shape}")
   bt = min(config.block_t, pl.next_power_of_2(t))
   bc = min(config.block_c, pl.next_power_of_2(c))
-  tp, cp, halo = _round_up(t, bt), _round_up(c, bc), width - 1
+  tp, cp, halo = pl.cdiv(t, bt) * bt, pl.cdiv(c, bc) * bc, width - 1
   wp = pl.next_power_of_2(width)
   x_pad = jnp.pad(x, ((0, 0), (halo, tp - t + halo), (0, cp - c)))
   seg_pad = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (halo, tp - t + halo)))
