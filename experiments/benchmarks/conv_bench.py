@@ -17,6 +17,8 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
   autodiff           jax.grad of causal_conv1d then silu (what the layer ran before its VJP).
 
 Run (one GPU): PYTHONPATH=. python experiments/benchmarks/conv_bench.py;  --smoke: tiny, on CPU.
+--sweep=32:128:4:1,128:64:4:1,...: the backward alone, XLA's against the Pallas kernel at each
+block_t:block_c:num_warps:num_stages.
 """
 from __future__ import annotations
 
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.layers import conv
+from pallas_kernels import short_conv
 
 
 def _shifted_recompute_bwd(out_dtype, residuals, dout):
@@ -123,11 +126,44 @@ def time_ms(fn, args, reps: int, batches: int = 5) -> float:
   return statistics.median(ts)
 
 
+def sweep_backward(x, kernel, seg, dout, configs: str, reps: int):
+  """Times the backward alone (given x, the kernel, segment ids and dout): XLA's (`conv_silu`'s
+  default), the pads the Pallas kernel's wrapper adds, and the kernel at each config."""
+  b, t, c = x.shape
+  xla = jax.jit(lambda x, k, s, d: conv._conv_silu_bwd(jnp.bfloat16, (x, k, s), d)[:2])
+  ref = xla(x, kernel, seg, dout)
+  rows = [("xla", None, xla)]
+  halo = kernel.shape[0] - 1
+  pads = jax.jit(lambda x, d: (jnp.pad(x, ((0, 0), (halo, halo), (0, 0))),
+                               jnp.pad(d, ((0, 0), (0, halo), (0, 0)))))
+  print(json.dumps(dict(kind="sweep", what="pads_only", B=b, T=t, C=c,
+                        ms=round(time_ms(pads, (x, dout), reps), 4))), flush=True)
+  for text in configs.split(","):
+    bt, bc, warps, stages = (int(v) for v in text.split(":"))
+    cfg = short_conv.ConvConfig(block_t=bt, block_c=bc, launch=(warps, stages),
+                                interpret=jax.default_backend() == "cpu")
+    rows.append((text, cfg, jax.jit(functools.partial(short_conv.conv_silu_bwd, config=cfg))))
+  for name, cfg, fn in rows:
+    try:
+      ms = time_ms(fn, (x, kernel, seg, dout), reps)
+      out = fn(x, kernel, seg, dout)
+      err = [float(np.max(np.abs(np.asarray(o, np.float32) - np.asarray(r, np.float32))))
+             for o, r in zip(out, ref)]
+      print(json.dumps(dict(kind="sweep", what=name, B=b, T=t, C=c, ms=round(ms, 4),
+                            max_abs_diff_vs_xla=err)), flush=True)
+    except Exception as e:  # a config that does not lower (shared memory, registers) is reported
+      print(json.dumps(dict(kind="sweep", what=name, B=b, T=t, C=c,
+                            error=f"{type(e).__name__}: {str(e)[:300]}")), flush=True)
+
+
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--shapes", default="4x8192x768,4x8192x1536", help="BxTxC,...")
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--smoke", action="store_true", help="2 x 64 x 16 on CPU, 2 reps")
+  p.add_argument("--sweep", default="",
+                 help="backward alone: XLA's against the Pallas kernel at each block_t:block_c:"
+                      "num_warps:num_stages of this comma list (skips the variants above)")
   args = p.parse_args()
   if args.smoke:
     args.shapes, args.reps = "2x64x16", 2
@@ -140,6 +176,9 @@ def main():
     kernel = 0.5 * jax.random.normal(keys[1], (4, c), jnp.float32)
     cot = jax.random.normal(keys[2], (b, t, c), jnp.float32).astype(jnp.bfloat16)
     seg = jnp.asarray(packed_segments(b, t, min(8192, t // 2)))
+    if args.sweep:
+      sweep_backward(x, kernel.astype(jnp.bfloat16), seg, cot, args.sweep, args.reps)
+      continue
     grads = {}
     for name, f in VARIANTS.items():
       def loss(x, k, f=f):
