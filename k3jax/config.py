@@ -33,6 +33,7 @@ DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
 CONV_BACKWARDS = ("xla", "pallas")
+SITU_GLU_KERNELS = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
 PRECOMPILE_MODES = ("auto", "on", "off")
@@ -110,6 +111,12 @@ class ModelConfig:
   # (Mosaic GPU kernels for bf16/f16 on compute capability 9.x, else 'tiled') on GPU, 'tiled'
   # on CPU (XLA:CPU's dense ragged_dot under tokamax is 2x slower), ragged_dot on TPU.
   moe_grouped_matmul: str = "auto"
+  # The routed experts' SiTU-GLU activation: 'auto' | 'xla' | 'pallas' (k3jax.ops.moe.
+  # situ_glu_kernel). 'pallas': one Pallas kernel forward, one backward
+  # (pallas_kernels/situ_glu), in the Pallas interpreter on CPU (not inside the expert-parallel
+  # shard_map there); auto: 'pallas' on a GPU (one H200: small.gin's step -6.6 %, medium.gin's
+  # -8.5 %, RESULTS.md run 17), 'xla' elsewhere.
+  moe_situ_glu: str = "auto"
 
   # Block Attention Residuals
   attnres: bool = True
@@ -195,6 +202,8 @@ class ModelConfig:
       _check(self.moe_grouped_matmul in ("auto", "tokamax", "ragged_dot", "tiled"),
              p + "moe_grouped_matmul", "'auto', 'tokamax', 'ragged_dot' or 'tiled'",
              self.moe_grouped_matmul)
+      _check(self.moe_situ_glu in SITU_GLU_KERNELS, p + "moe_situ_glu",
+             f"one of {SITU_GLU_KERNELS}", self.moe_situ_glu)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
       _check(self.position_chunk_tokens == 0 or self.moe_capacity_factor == 0.0,

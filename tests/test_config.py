@@ -29,6 +29,7 @@ def test_bindings_override_files():
     ("ModelConfig.moe_balance = 'magic'", "ModelConfig.moe_balance"),
     ("ModelConfig.kda_chunk_size = 24", "ModelConfig.kda_chunk_size"),
     ("ModelConfig.kda_conv_backward = 'triton'", "ModelConfig.kda_conv_backward"),
+    ("ModelConfig.moe_situ_glu = 'triton'", "ModelConfig.moe_situ_glu"),
     ("StagesConfig.stages = ((100, 3),)", "StagesConfig.tokens_per_step"),
     ("StagesConfig.stages = ((512, 3), (64, 3))", "StagesConfig.stages"),
     ("OptimizerConfig.name = 'sgd'", "OptimizerConfig.name"),

@@ -40,6 +40,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import situ_glu as situ_glu_kernels
 from k3jax.ops.moe_rows import (_common_varying, gather_rows, permute_rows,  # noqa: F401
                                 sort_with_inverse, sorted_group_sizes, weighted_combine,
                                 zero_rows)
@@ -390,9 +391,23 @@ def _check_shapes(z, expert_idx, expert_weight, w_gate, w_up, w_out, valid) -> N
     raise ValueError(f"routed_experts: valid must be [N={n}] bool, got shape {valid.shape}")
 
 
+SITU_GLU_KERNELS = ("auto", "xla", "pallas")
+
+
+def situ_glu_kernel(kind: str = "auto") -> str:
+  """The routed experts' activation for ModelConfig.moe_situ_glu: 'xla' (`situ_glu`, XLA's
+  fusions) or 'pallas' (`pallas_kernels.situ_glu.situ_glu_fused`: one kernel forward and one
+  backward; interpreted on CPU). 'auto': 'pallas' on a GPU, 'xla' elsewhere."""
+  if kind not in SITU_GLU_KERNELS:
+    raise ValueError(f"ModelConfig.moe_situ_glu = {kind!r}: expected one of {SITU_GLU_KERNELS}")
+  if kind == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  return kind
+
+
 def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array,
                      group_sizes: jax.Array, in_group: jax.Array, *, beta1: float, beta2: float,
-                     ragged_dot_fn: RaggedDotFn) -> jax.Array:
+                     ragged_dot_fn: RaggedDotFn, activation: str = "xla") -> jax.Array:
   """SiTU-GLU experts over rows sorted by expert: W_out[e]·SiTU-GLU(x W_gate[e], x W_up[e]).
 
   x [M, ℓ] (the matmuls run in x.dtype, accumulating in fp32; gate and up are rounded to x.dtype
@@ -400,6 +415,7 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   w_out [E, f, ℓ] (already in x.dtype); group_sizes [E]; in_group [M] bool, False for the rows
   past the last group. Returns [M, ℓ] in x.dtype (accumulated in fp32 inside the matmul), zero on
   rows outside the groups (which ragged_dot leaves undefined on some backends).
+  activation: 'xla' or 'pallas' (`situ_glu_kernel`): the same math.
   """
   # gate and up leave the matmul in x.dtype (fp32 accumulation inside), as in the dense SiTU-GLU:
   # situ_glu's backward then keeps two bf16 [M, f] arrays, not fp32 ones. They are one grouped
@@ -407,8 +423,20 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   f = w_gate.shape[-1]
   gate_up = ragged_dot_fn(x, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
                           preferred_element_type=x.dtype)
-  gate, up = gate_up[:, :f], gate_up[:, f:]
-  h = situ_glu(gate, up, beta1, beta2).astype(x.dtype)
+  if activation == "pallas":
+    interpret = jax.default_backend() == "cpu"
+    if interpret and jax.typeof(gate_up).manual_axis_type.varying:
+      # JAX's Pallas interpreter slices with unvarying indices, which shard_map's varying-axes
+      # check refuses; the compiled kernel (GPU) has no such slices.
+      raise ValueError("ModelConfig.moe_situ_glu = 'pallas' on CPU runs the Pallas interpreter, "
+                       "which cannot run inside the expert-parallel shard_map (a mesh with "
+                       "'expert' > 1); use 'auto' or 'xla' on CPU")
+    config = situ_glu_kernels.SituGluConfig(interpret=interpret)
+    h = situ_glu_kernels.situ_glu_fused(gate_up, beta1, beta2, x.dtype, config)
+  elif activation == "xla":
+    h = situ_glu(gate_up[:, :f], gate_up[:, f:], beta1, beta2).astype(x.dtype)
+  else:
+    raise ValueError(f"grouped_situ_glu: activation={activation!r}: expected 'xla' or 'pallas'")
   # The expert outputs leave the matmul in x.dtype too: the combine sums them in fp32, but an fp32
   # [M, ℓ] output doubled the kernel's writes and what the backward keeps (the expert-parallel path
   # always sent them in x.dtype).
@@ -436,6 +464,7 @@ def routed_experts(
     capacity_factor: float = 0.0,
     valid: Optional[jax.Array] = None,
     ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot,
+    activation: str = "xla",
 ) -> tuple[jax.Array, dict]:
   """Weighted sum of each token's k SiTU-GLU experts.
 
@@ -452,6 +481,7 @@ def routed_experts(
     valid: optional [N] bool; False rows (padding) are not routed, not computed and not counted.
     ragged_dot_fn: grouped matmul with `jax.lax.ragged_dot`'s signature (a hook for a faster GPU
       kernel); used only in dropless mode.
+    activation: the dropless experts' SiTU-GLU, 'xla' or 'pallas' (`situ_glu_kernel`).
   Returns:
     y: [N, ℓ] in z.dtype (combine done in fp32).
     stats: {'load': [E] fp32, assignments routed to each expert (valid tokens, before any drop);
@@ -491,7 +521,7 @@ def routed_experts(
 
   if capacity_factor == 0:
     y_sorted = grouped_situ_glu(x_sorted, w_gate, w_up, w_out, group_sizes, routed, beta1=beta1,
-                                beta2=beta2, ragged_dot_fn=ragged_dot_fn)
+                                beta2=beta2, ragged_dot_fn=ragged_dot_fn, activation=activation)
     dropped = jnp.zeros((), jnp.int32)
   else:
     capacity = expert_capacity(n, k, num_experts, capacity_factor)

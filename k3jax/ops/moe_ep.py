@@ -105,7 +105,7 @@ def ep_capacity(tokens_per_device: int, top_k: int, num_experts: int, num_ep: in
 
 def _local_ep(z, expert_idx, expert_weight, valid, w_gate, w_up, w_out, *, num_experts: int,
               num_ep: int, capacity: int, beta1: float, beta2: float,
-              ragged_dot_fn: RaggedDotFn, reduce_axes: tuple):
+              ragged_dot_fn: RaggedDotFn, activation: str, reduce_axes: tuple):
   """Per-device body of the EP shard_map (shapes are the device-local ones)."""
   n_loc, latent = z.shape
   k = expert_idx.shape[1]
@@ -155,7 +155,8 @@ def _local_ep(z, expert_idx, expert_weight, valid, w_gate, w_up, w_out, *, num_e
   xs = permute_rows(x_recv.reshape(rows, latent), recv_order, recv_inverse)
   w_gate, w_up, w_out = (w.astype(dtype) for w in (w_gate, w_up, w_out))
   ys = grouped_situ_glu(xs, w_gate, w_up, w_out, group_sizes, sorted_key < local_experts,
-                        beta1=beta1, beta2=beta2, ragged_dot_fn=ragged_dot_fn).astype(dtype)
+                        beta1=beta1, beta2=beta2, ragged_dot_fn=ragged_dot_fn,
+                        activation=activation).astype(dtype)
   y_recv = permute_rows(ys, recv_inverse, recv_order).reshape(num_ep, capacity, latent)
 
   y_back = jax.lax.all_to_all(y_recv, EXPERT_AXIS, 0, 0)                      # [n, C, ℓ]
@@ -186,11 +187,13 @@ def routed_experts_ep(
     valid: Optional[jax.Array] = None,
     mesh: Optional[Mesh] = None,
     ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot,
+    activation: str = "xla",
 ) -> tuple[jax.Array, dict]:
   """`k3jax.ops.moe.routed_experts` with the experts sharded over the mesh's 'expert' axis.
 
   Args:
-    z, expert_idx, expert_weight, w_gate, w_up, w_out, beta1, beta2, valid, ragged_dot_fn: as in
+    z, expert_idx, expert_weight, w_gate, w_up, w_out, beta1, beta2, valid, ragged_dot_fn,
+      activation: as in
       `routed_experts` (global shapes: z [N, ℓ], expert_idx/expert_weight [N, k], w_* [E, ...]).
     capacity_factor: 0 for dropless; > 0 for per-(source, destination) buffers of
       ceil(capacity_factor·(N/devices)·k/n_expert) rows (module docstring).
@@ -227,7 +230,7 @@ def routed_experts_ep(
 
   body = lambda *a: _local_ep(*a, num_experts=num_experts, num_ep=num_ep, capacity=capacity,
                               beta1=beta1, beta2=beta2, ragged_dot_fn=ragged_dot_fn,
-                              reduce_axes=BATCH_AXES)
+                              activation=activation, reduce_axes=BATCH_AXES)
   tok = P(BATCH_AXES)
   expert_w = P(EXPERT_AXIS)
   y, load, dropped = _shard_map(
@@ -249,7 +252,8 @@ def routed_experts_auto(z: jax.Array, expert_idx: jax.Array, expert_weight: jax.
                         w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, *, beta1: float,
                         beta2: float, capacity_factor: float = 0.0,
                         valid: Optional[jax.Array] = None,
-                        ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot) -> tuple[jax.Array, dict]:
+                        ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot,
+                        activation: str = "xla") -> tuple[jax.Array, dict]:
   """`routed_experts` with the signature unchanged: EP when the current mesh has 'expert' > 1.
 
   Without a mesh, or with expert axis 1 (pure data parallelism, where XLA partitions the
@@ -257,7 +261,7 @@ def routed_experts_auto(z: jax.Array, expert_idx: jax.Array, expert_weight: jax.
   two paths (per expert vs per device pair); dropless results are identical.
   """
   kwargs = dict(beta1=beta1, beta2=beta2, capacity_factor=capacity_factor, valid=valid,
-                ragged_dot_fn=ragged_dot_fn)
+                ragged_dot_fn=ragged_dot_fn, activation=activation)
   if expert_parallel_size() > 1:
     return routed_experts_ep(z, expert_idx, expert_weight, w_gate, w_up, w_out, **kwargs)
   return routed_experts(z, expert_idx, expert_weight, w_gate, w_up, w_out, **kwargs)

@@ -201,6 +201,18 @@ def test_tiled_ragged_dot_bf16_accumulates_in_fp32():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
 
 
+def test_situ_glu_kernel_choices():
+  assert moe.situ_glu_kernel("auto") == "xla"            # these tests run on CPU
+  assert moe.situ_glu_kernel("pallas") == "pallas"
+  with pytest.raises(ValueError, match="moe_situ_glu.*'triton'"):
+    moe.situ_glu_kernel("triton")
+  z = jnp.zeros((4, 2))
+  with pytest.raises(ValueError, match="activation='triton'"):
+    moe.grouped_situ_glu(z, jnp.zeros((1, 2, 3)), jnp.zeros((1, 2, 3)), jnp.zeros((1, 3, 2)),
+                         jnp.array([4]), jnp.ones((4,), bool), beta1=B1, beta2=B2,
+                         ragged_dot_fn=jax.lax.ragged_dot, activation="triton")
+
+
 def test_default_ragged_dot_choices():
   assert default_ragged_dot("tiled") is tiled_ragged_dot
   assert default_ragged_dot("ragged_dot") is jax.lax.ragged_dot
@@ -343,8 +355,10 @@ def _dense_routed(z, idx, w, wg, wu, wo, valid):
   return jnp.where(valid[:, None], y, 0.0)
 
 
-@pytest.mark.parametrize("grouped", ["tokamax", "ragged_dot"])
-def test_dropless_values_and_gradients_match_dense_reference(grouped):
+# activation 'pallas': the SiTU-GLU kernels of pallas_kernels/situ_glu, in the Pallas interpreter.
+@pytest.mark.parametrize("grouped,activation", [("tokamax", "xla"), ("ragged_dot", "xla"),
+                                                ("ragged_dot", "pallas")])
+def test_dropless_values_and_gradients_match_dense_reference(grouped, activation):
   z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in _problem(7, n=24, experts=5, unused=2))
   valid = jnp.asarray(np.random.default_rng(8).random(24) > 0.25)
   fn = default_ragged_dot(grouped)
@@ -352,7 +366,7 @@ def test_dropless_values_and_gradients_match_dense_reference(grouped):
 
   def ours(z, w, wg, wu, wo):
     return routed_experts(z, idx, w, wg, wu, wo, beta1=B1, beta2=B2, valid=valid,
-                          ragged_dot_fn=fn)[0]
+                          ragged_dot_fn=fn, activation=activation)[0]
 
   args = (z, w, wg, wu, wo)
   np.testing.assert_allclose(jax.jit(ours)(*args), _dense_routed(z, idx, *args[1:], valid),

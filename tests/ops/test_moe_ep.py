@@ -64,6 +64,16 @@ def test_ep_dropless_matches_single_device(spec, grouped):
   assert np.all(np.asarray(y_ep)[~np.asarray(valid)] == 0)
 
 
+def test_ep_pallas_activation_on_cpu_is_refused_by_name():
+  """The SiTU-GLU kernels run in the Pallas interpreter on CPU, which shard_map's varying-axes
+  check refuses: a clear error naming the field, not JAX's internal one."""
+  z, idx, w, wg, wu, wo, valid = _problem()
+  with pytest.raises(ValueError, match="moe_situ_glu = 'pallas' on CPU"):
+    moe_ep.routed_experts_ep(z, idx, w, wg, wu, wo, valid=valid, mesh=sharding.make_mesh("expert:8"),
+                             ragged_dot_fn=default_ragged_dot("ragged_dot"), activation="pallas",
+                             **BETAS)
+
+
 def _capacity_reference(z, idx, w, wg, wu, wo, valid, devices, num_ep, capacity):
   """Independent numpy model of the EP drop policy: per sending shard and destination device,
   the first `capacity` valid assignments in (token, slot) order are kept."""

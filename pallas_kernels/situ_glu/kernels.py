@@ -1,0 +1,168 @@
+"""SiTU-GLU on a grouped matmul's [M, 2f] output, forward and backward, as Pallas kernels (Triton).
+
+h = SiTU(a) · softcap(b) with [a | b] = gate_up (the routed experts' one grouped matmul against
+[W_gate | W_up]); SiTU(a) = β1·tanh(a/β1)·σ(a), softcap(b) = β2·tanh(b/β2). The math runs in fp32,
+as `k3jax.ops.moe.situ_glu`'s (which documents it); the backward recomputes it from gate_up, so
+the forward keeps nothing else.
+
+Why kernels and not XLA's fusions: tokamax's weight-gradient kernel for the experts' output
+projection reads h transposed ([f, M]). XLA's layout assignment carried that transpose up
+through the elementwise SiTU-GLU, forward and backward, so that both ran in a transposed layout
+and transposed back for the other kernels (about 15 ms of small.gin's step on an H200). A kernel's
+operands and results have fixed row-major layouts: the activation then reads and writes each array
+once, and XLA transposes only the finished h. One H200 (RESULTS.md run 17): small.gin's step
+163.6 -> 152.8 ms, medium.gin's 498.5 -> 456.0 ms. The tiles matter: 64 x 256 with 4 warps took
+4.5x as long as the default 64 x 128 with 8 warps at small.gin's shape.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pl_triton
+
+
+@dataclasses.dataclass(frozen=True)
+class SituGluConfig:
+  """Tile sizes (powers of two; block_f is capped at the largest power of two dividing f) and
+  the Triton launch (num_warps, num_stages); the interpreter (CPU tests) ignores the launch."""
+  block_m: int = 64
+  block_f: int = 128
+  launch: tuple = (8, 1)
+  interpret: bool = False
+
+  def __post_init__(self):
+    for name in ("block_m", "block_f"):
+      value = getattr(self, name)
+      if value < 1 or value & (value - 1):
+        raise ValueError(f"SituGluConfig.{name} must be a power of two, got {value}")
+
+
+def _sigmoid(x):
+  return 1.0 / (1.0 + jnp.exp(-x))
+
+
+def _fwd_kernel(gu_ref, h_ref, *, beta1: float, beta2: float):
+  """gu_ref [bm, 2, bf] (gate, up); h_ref [bm, bf]."""
+  a = gu_ref[:, 0, :].astype(jnp.float32)
+  b = gu_ref[:, 1, :].astype(jnp.float32)
+  h = (beta1 * jnp.tanh(a / beta1) * _sigmoid(a)) * (beta2 * jnp.tanh(b / beta2))
+  h_ref[...] = h.astype(h_ref.dtype)
+
+
+def _bwd_kernel(gu_ref, dh_ref, dgu_ref, *, beta1: float, beta2: float):
+  """gu_ref [bm, 2, bf]; dh_ref [bm, bf]; dgu_ref [bm, 2, bf] (dgate, dup)."""
+  a = gu_ref[:, 0, :].astype(jnp.float32)
+  b = gu_ref[:, 1, :].astype(jnp.float32)
+  dh = dh_ref[...].astype(jnp.float32)
+  tanh_a = jnp.tanh(a / beta1)
+  sig_a = _sigmoid(a)
+  tanh_b = jnp.tanh(b / beta2)
+  situ_a = beta1 * tanh_a * sig_a
+  dsitu_da = (1.0 - tanh_a * tanh_a) * sig_a + situ_a * (1.0 - sig_a)
+  dgu_ref[:, 0, :] = (dh * (beta2 * tanh_b) * dsitu_da).astype(dgu_ref.dtype)
+  dgu_ref[:, 1, :] = (dh * situ_a * (1.0 - tanh_b * tanh_b)).astype(dgu_ref.dtype)
+
+
+def _tiles(m: int, f: int, config: SituGluConfig) -> tuple[int, int, int]:
+  """(block_m, block_f, M padded to whole row tiles)."""
+  bf = min(config.block_f, f & -f)   # f & -f: the largest power of two dividing f
+  bm = min(config.block_m, pl.next_power_of_2(m))
+  return bm, bf, pl.cdiv(m, bm) * bm
+
+
+def _launch(config: SituGluConfig) -> dict:
+  if config.interpret:
+    return dict(interpret=True)
+  return dict(compiler_params=pl_triton.CompilerParams(num_warps=config.launch[0],
+                                                       num_stages=config.launch[1]))
+
+
+def _like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
+  """A result varying over x's manual mesh axes (inside `shard_map`, as the expert-parallel MoE
+  calls the kernels: pallas_call must be told, and a custom VJP's cotangent must vary as its
+  input does)."""
+  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
+
+
+def _split(gate_up: jax.Array, mp: int) -> jax.Array:
+  """[M, 2f] -> [Mp, 2, f] (a free reshape when M = Mp; zero rows appended otherwise)."""
+  m, two_f = gate_up.shape
+  if mp != m:
+    gate_up = jnp.pad(gate_up, ((0, mp - m), (0, 0)))
+  return gate_up.reshape(mp, 2, two_f // 2)
+
+
+def situ_glu_fwd_kernel(gate_up: jax.Array, beta1: float, beta2: float, out_dtype,
+                        config: SituGluConfig) -> jax.Array:
+  """h [M, f] in out_dtype from gate_up [M, 2f] (gate columns first)."""
+  m, two_f = gate_up.shape
+  f = two_f // 2
+  bm, bf, mp = _tiles(m, f, config)
+  h = pl.pallas_call(
+      functools.partial(_fwd_kernel, beta1=beta1, beta2=beta2),
+      grid=(mp // bm, f // bf),
+      in_specs=[pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j))],
+      out_specs=pl.BlockSpec((bm, bf), lambda i, j: (i, j)),
+      out_shape=_like(gate_up, (mp, f), out_dtype),
+      name="situ_glu_fwd",
+      **_launch(config),
+  )(_split(gate_up, mp))
+  return h[:m]
+
+
+def situ_glu_bwd_kernel(gate_up: jax.Array, dh: jax.Array, beta1: float, beta2: float,
+                        config: SituGluConfig) -> jax.Array:
+  """d gate_up [M, 2f] in gate_up.dtype from gate_up [M, 2f] and dh [M, f]."""
+  m, two_f = gate_up.shape
+  f = two_f // 2
+  bm, bf, mp = _tiles(m, f, config)
+  if mp != m:
+    dh = jnp.pad(dh, ((0, mp - m), (0, 0)))
+  dgu = pl.pallas_call(
+      functools.partial(_bwd_kernel, beta1=beta1, beta2=beta2),
+      grid=(mp // bm, f // bf),
+      in_specs=[pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j)),
+                pl.BlockSpec((bm, bf), lambda i, j: (i, j))],
+      out_specs=pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j)),
+      out_shape=_like(gate_up, (mp, 2, f), gate_up.dtype),
+      name="situ_glu_bwd",
+      **_launch(config),
+  )(_split(gate_up, mp), dh)
+  return dgu.reshape(mp, two_f)[:m]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
+def _situ_glu_fused(gate_up, beta1, beta2, out_dtype, config):
+  return situ_glu_fwd_kernel(gate_up, beta1, beta2, out_dtype, config)
+
+
+def _situ_glu_fused_fwd(gate_up, beta1, beta2, out_dtype, config):
+  return situ_glu_fwd_kernel(gate_up, beta1, beta2, out_dtype, config), gate_up
+
+
+def _situ_glu_fused_bwd(beta1, beta2, out_dtype, config, gate_up, dh):
+  del out_dtype
+  return (situ_glu_bwd_kernel(gate_up, dh, beta1, beta2, config),)
+
+
+_situ_glu_fused.defvjp(_situ_glu_fused_fwd, _situ_glu_fused_bwd)
+
+
+def situ_glu_fused(gate_up: jax.Array, beta1: float, beta2: float, out_dtype=None,
+                   config: SituGluConfig = SituGluConfig()) -> jax.Array:
+  """SiTU-GLU of gate_up [M, 2f] (gate columns, then up columns; any float dtype) -> h [M, f] in
+  out_dtype (default gate_up's), differentiable (the backward is the second kernel; the
+  gradient comes back in gate_up's dtype). beta1, beta2 > 0: the SiTU and softcap bounds."""
+  if gate_up.ndim != 2 or gate_up.shape[1] % 2:
+    raise ValueError(f"situ_glu_fused: gate_up must be [M, 2f], got shape {gate_up.shape}")
+  if not jnp.issubdtype(gate_up.dtype, jnp.floating):
+    raise ValueError(f"situ_glu_fused: gate_up must have a floating dtype, got {gate_up.dtype}")
+  if beta1 <= 0 or beta2 <= 0:
+    raise ValueError(f"situ_glu_fused: beta1={beta1} and beta2={beta2} must both be > 0")
+  out_dtype = jnp.dtype(gate_up.dtype if out_dtype is None else out_dtype)
+  return _situ_glu_fused(gate_up, float(beta1), float(beta2), out_dtype, config)
