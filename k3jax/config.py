@@ -68,8 +68,9 @@ class ModelConfig:
   kda_chunk_size: int = 64
   kda_backend: str = "auto"       # auto | xla | pallas
   # The short convs' backward: 'xla' (fused XLA ops) or 'pallas' (one Pallas kernel,
-  # pallas_kernels/short_conv; interpreted on CPU). 'pallas' is not yet measured on a GPU, and not
-  # yet split over a batch-sharded mesh (XLA would gather the batch onto each device for it).
+  # pallas_kernels/short_conv; interpreted on CPU). 'pallas' is slower on an H200 (RESULTS.md
+  # run 17: 0.38-4.9 ms across tiles against XLA's 0.29 ms at small.gin's shape; +10 ms on its
+  # step), and not split over a batch-sharded mesh (XLA would gather the batch onto each device).
   kda_conv_backward: str = "xla"
 
   # Gated MLA
