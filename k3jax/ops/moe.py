@@ -40,10 +40,11 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import situ_glu as situ_glu_kernels
+from k3jax.config import SITU_GLU_KERNELS
 from k3jax.ops.moe_rows import (_common_varying, gather_rows, permute_rows,  # noqa: F401
                                 sort_with_inverse, sorted_group_sizes, weighted_combine,
                                 zero_rows)
+from pallas_kernels import situ_glu as situ_glu_kernels
 
 RaggedDotFn = Callable[..., jax.Array]
 
@@ -389,9 +390,6 @@ def _check_shapes(z, expert_idx, expert_weight, w_gate, w_up, w_out, valid) -> N
                      f"latent={latent}], got {w_out.shape}")
   if valid is not None and valid.shape != (n,):
     raise ValueError(f"routed_experts: valid must be [N={n}] bool, got shape {valid.shape}")
-
-
-SITU_GLU_KERNELS = ("auto", "xla", "pallas")
 
 
 def situ_glu_kernel(kind: str = "auto") -> str:
