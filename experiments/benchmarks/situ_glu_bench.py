@@ -14,30 +14,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from conv_bench import time_ms   # the same timing loop (this folder is on sys.path)
 from k3jax.ops.moe import situ_glu
 from pallas_kernels.situ_glu import SituGluConfig, situ_glu_fused
 
 B1, B2 = 4.0, 25.0
-
-
-def time_ms(fn, args, reps: int, batches: int = 5) -> float:
-  for _ in range(3):
-    jax.block_until_ready(fn(*args))
-  ts = []
-  for _ in range(batches):
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    ts.append((time.perf_counter() - t0) * 1e3 / reps)
-  return statistics.median(ts)
 
 
 def main():
