@@ -28,7 +28,7 @@ if "xla_force_host_platform_device_count" not in _flags:
 # The tests' programs are tiny: XLA:CPU spends their time compiling, most of it in LLVM's
 # optimisation passes. Without them (-O0) a compile-bound test takes ~40 % less CPU
 # (test_model's scan_equals_loop[attnres]: 134 -> 76 s of user time; a Pallas-interpreter KDA
-# kernel test 32 -> 20 s), which keeps the suite inside CI's budget. Tests compare against
+# kernel test 32 -> 20 s): CI's budget is 15 minutes on 2 cores. Tests compare against
 # references with tolerances, or two runs under the same flags; the CLIs and the main job run at
 # XLA's default level.
 _wanted = [flag for flag, key in ((_OPT_FLAG, "xla_backend_optimization_level"),

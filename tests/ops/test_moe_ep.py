@@ -69,7 +69,8 @@ def test_ep_pallas_activation_on_cpu_is_refused_by_name():
   check refuses: a clear error naming the field, not JAX's internal one."""
   z, idx, w, wg, wu, wo, valid = _problem()
   with pytest.raises(ValueError, match="moe_situ_glu = 'pallas' on CPU"):
-    moe_ep.routed_experts_ep(z, idx, w, wg, wu, wo, valid=valid, mesh=sharding.make_mesh("expert:8"),
+    moe_ep.routed_experts_ep(z, idx, w, wg, wu, wo, valid=valid,
+                             mesh=sharding.make_mesh("expert:8"),
                              ragged_dot_fn=default_ragged_dot("ragged_dot"), activation="pallas",
                              **BETAS)
 
