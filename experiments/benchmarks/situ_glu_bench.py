@@ -24,14 +24,17 @@ from k3jax.ops.moe import situ_glu
 from pallas_kernels.situ_glu import SituGluConfig, situ_glu_fused
 
 B1, B2 = 4.0, 25.0
+_DEFAULT = SituGluConfig()
 
 
 def main():
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--shapes", default="131072x512,131072x768", help="MxF,... (gate_up is [M, 2F])")
   p.add_argument("--reps", type=int, default=20)
-  p.add_argument("--configs", default="64:256:4:1",
-                 help="the kernels' block_m:block_f:num_warps:num_stages, comma-separated")
+  p.add_argument("--configs", default=":".join(str(v) for v in (
+                     _DEFAULT.block_m, _DEFAULT.block_f, *_DEFAULT.launch)),
+                 help="the kernels' block_m:block_f:num_warps:num_stages, comma-separated "
+                      "(default: SituGluConfig's defaults)")
   p.add_argument("--smoke", action="store_true", help="64 x 16 on CPU (interpreter), 2 reps")
   args = p.parse_args()
   interpret = jax.default_backend() == "cpu"
