@@ -42,15 +42,24 @@ class SituGluConfig:
         raise ValueError(f"SituGluConfig.{name} must be a power of two, got {value}")
 
 
-def _sigmoid(x):
-  return 1.0 / (1.0 + jnp.exp(-x))
+def situ_glu_grads(a: jax.Array, b: jax.Array, dh: jax.Array, beta1: float, beta2: float):
+  """(dgate, dup) of h = SiTU(a)·softcap(b) for the cotangent dh, all fp32 and elementwise:
+  dgate = dh·sc(b)·SiTU'(a), dup = dh·SiTU(a)·sc'(b), with SiTU'(a) = (1 − tanh²(a/β1))·σ(a) +
+  β1·tanh(a/β1)·σ(a)·(1 − σ(a)) and sc'(b) = 1 − tanh²(b/β2). The backward kernel's math, and
+  `k3jax.ops.moe.situ_glu`'s backward (XLA) too. Both tend to 0 where tanh or σ saturate."""
+  tanh_a = jnp.tanh(a / beta1)
+  sig_a = jax.nn.sigmoid(a)     # Triton lowers it as 1 / (1 + exp(-a))
+  tanh_b = jnp.tanh(b / beta2)
+  situ_a = beta1 * tanh_a * sig_a
+  dsitu_da = (1.0 - tanh_a * tanh_a) * sig_a + situ_a * (1.0 - sig_a)
+  return dh * (beta2 * tanh_b) * dsitu_da, dh * situ_a * (1.0 - tanh_b * tanh_b)
 
 
 def _fwd_kernel(gu_ref, h_ref, *, beta1: float, beta2: float):
   """gu_ref [bm, 2, bf] (gate, up); h_ref [bm, bf]."""
   a = gu_ref[:, 0, :].astype(jnp.float32)
   b = gu_ref[:, 1, :].astype(jnp.float32)
-  h = (beta1 * jnp.tanh(a / beta1) * _sigmoid(a)) * (beta2 * jnp.tanh(b / beta2))
+  h = (beta1 * jnp.tanh(a / beta1) * jax.nn.sigmoid(a)) * (beta2 * jnp.tanh(b / beta2))
   h_ref[...] = h.astype(h_ref.dtype)
 
 
@@ -58,14 +67,9 @@ def _bwd_kernel(gu_ref, dh_ref, dgu_ref, *, beta1: float, beta2: float):
   """gu_ref [bm, 2, bf]; dh_ref [bm, bf]; dgu_ref [bm, 2, bf] (dgate, dup)."""
   a = gu_ref[:, 0, :].astype(jnp.float32)
   b = gu_ref[:, 1, :].astype(jnp.float32)
-  dh = dh_ref[...].astype(jnp.float32)
-  tanh_a = jnp.tanh(a / beta1)
-  sig_a = _sigmoid(a)
-  tanh_b = jnp.tanh(b / beta2)
-  situ_a = beta1 * tanh_a * sig_a
-  dsitu_da = (1.0 - tanh_a * tanh_a) * sig_a + situ_a * (1.0 - sig_a)
-  dgu_ref[:, 0, :] = (dh * (beta2 * tanh_b) * dsitu_da).astype(dgu_ref.dtype)
-  dgu_ref[:, 1, :] = (dh * situ_a * (1.0 - tanh_b * tanh_b)).astype(dgu_ref.dtype)
+  dgate, dup = situ_glu_grads(a, b, dh_ref[...].astype(jnp.float32), beta1, beta2)
+  dgu_ref[:, 0, :] = dgate.astype(dgu_ref.dtype)
+  dgu_ref[:, 1, :] = dup.astype(dgu_ref.dtype)
 
 
 def _tiles(m: int, f: int, config: SituGluConfig) -> tuple[int, int, int]:
