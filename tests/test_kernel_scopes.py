@@ -53,6 +53,7 @@ def test_attribute_sums_by_scope_and_kind():
 @pytest.mark.parametrize("name, kind", [("kda_dense_bwd", "kda"), ("memcpy128", "copies"),
                                         ("flash_attention_sm90_mosaic_gpu_kernel", "mla"),
                                         ("ragged_contracting_dim_dot_sm90", "moe"),
+                                        ("grouped_weight_grad", "moe"), ("situ_glu_bwd", "moe"),
                                         ("batched_body_mosaic_gpu_kernel", "mla"),
                                         ("nvjet_sm90_tst_128x128_64x6_2x1_v_bz_TNT",
                                          "gemm (module unknown)"),

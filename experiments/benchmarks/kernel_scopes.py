@@ -8,8 +8,8 @@ time by scope (`hlo_memory.scope_of`, 'bwd:' for the backward pass) and by modul
 path part that names one of the decoder's modules ('moe', 'kda', 'mla', the dense 'ffn', AttnRes's
 depth mixes, the norms); a loop body's ops outside them are the decoder scan's own (SCAN_KIND);
 'optimizer/loss/other' for the rest. Kernels without an
-instruction are classified by name (tokamax's ragged_* kernels are the MoE's grouped matmul, kda_*
-the KDA kernels, memcpy the copies).
+instruction are classified by name (tokamax's ragged_* kernels and k3jax's situ_glu_* and
+grouped_weight_grad are the MoE's, kda_* the KDA kernels, memcpy the copies).
 """
 from __future__ import annotations
 
@@ -25,7 +25,9 @@ MODULE_KINDS = {"moe": "moe", "kda": "kda", "mla": "mla", "ffn": "ffn (dense)",
                 "attn_norm": "norm", "ffn_norm": "norm", "final_norm": "norm"}
 # tokamax's attention backward runs as 'batched_body_mosaic_gpu_kernel' (its jax function's name);
 # cuBLAS's GEMMs ('nvjet_*', 'sm90_xmma_*', 'cutlass_*') are shared by every module.
-_BY_KERNEL_NAME = ((re.compile(r"ragged"), "moe"), (re.compile(r"^kda_"), "kda"),
+# k3jax's own MoE kernels: 'situ_glu_fwd' / 'situ_glu_bwd' and 'grouped_weight_grad'.
+_BY_KERNEL_NAME = ((re.compile(r"ragged|^situ_glu_|^grouped_weight_grad"), "moe"),
+                   (re.compile(r"^kda_"), "kda"),
                    (re.compile(r"flash|attention|mha|^batched_body"), "mla"),
                    (re.compile(r"(?i)memcpy|memset"), "copies"),
                    (re.compile(r"^nvjet|xmma|cutlass|gemm"), "gemm (module unknown)"))

@@ -13,8 +13,8 @@ Two ways to compute it, both pure and with static shapes:
 
 * dropless (capacity_factor == 0): stable-sort the assignments by expert, gather their rows of z and
   run three grouped matmuls with the per-expert group sizes (`default_ragged_dot`: tokamax's Mosaic
-  GPU kernels on the GPU, `tiled_ragged_dot` on CPU, `jax.lax.ragged_dot` on TPU). Nothing is
-  dropped.
+  GPU kernels on the GPU, with the weight gradient from k3jax's Pallas kernel; `tiled_ragged_dot`
+  on CPU, `jax.lax.ragged_dot` on TPU). Nothing is dropped.
 * capacity (capacity_factor > 0): each expert gets a fixed buffer of C = ceil(capacity_factor·N·k/E)
   rows ([E, C, ℓ], batched einsum). The sort is stable, so within an expert the assignments are
   ordered by token index (then by slot j) and the first C are kept: the *latest* tokens of the batch
@@ -45,6 +45,7 @@ from k3jax.ops.moe_rows import (_common_varying, gather_rows, permute_rows,  # n
                                 sort_with_inverse, sorted_group_sizes, weighted_combine,
                                 zero_rows)
 from pallas_kernels import situ_glu as situ_glu_kernels
+from pallas_kernels.grouped_matmul import grouped_weight_grad
 
 RaggedDotFn = Callable[..., jax.Array]
 
@@ -116,7 +117,8 @@ def tiled_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 # dimension contracted) and drhs[g] = lhs[rows of g]^T @ dout[rows of g] (the ragged dimension
 # contracted). These are the dimension numbers tokamax's own VJP uses (ragged_dot/base.py); its
 # Mosaic GPU op runs the first as its sm90 `ragged_dot_kernel` (after transposing rhs) and the
-# second as `ragged_contracting_dim_dot_kernel`.
+# second as `ragged_contracting_dim_dot_kernel`, which k3jax does not use on the GPU (wrong sums
+# on an H200; `pallas_kernels.grouped_matmul.grouped_weight_grad` instead).
 _DLHS_DIMS = jax.lax.RaggedDotDimensionNumbers(
     dot_dimension_numbers=(([1], [2]), ([], [])), lhs_ragged_dimensions=[0],
     rhs_group_dimensions=[0])
@@ -137,11 +139,38 @@ def _tokamax():
   return tokamax
 
 
-def _call_tokamax(fn, *args, implementation: str, **kwargs) -> jax.Array:
-  """`fn(*args, implementation=..., **kwargs)`, its NotImplementedError (tokamax's way of saying
-  that its kernel lacks a dtype or shape) turned into an error naming the config field."""
+# Tiles (block_m, block_n, block_k, pipeline stages) of tokamax's sm90 grouped-matmul kernels, for
+# the forward and dlhs; None keeps tokamax's choice. Without an autotuning-cache entry tokamax
+# 0.0.17 picks 64 x 64 x 128 with two stages on sm90; 128 x 128 x 64 with three stages ran 1.15-2.0x
+# faster at small.gin's and medium.gin's shapes on an H200, with the same results
+# (experiments/benchmarks/ragged_dot_tiles.py; RESULTS.md run 18).
+SM90_TILES = {"fwd": (128, 128, 64, 3), "dlhs": (128, 128, 64, 3)}
+
+def _mosaic_implementation(kernel: str):
+  """tokamax's `implementation` argument for one of the grouped matmul's kernels ('fwd', 'dlhs')
+  on the Mosaic GPU path: the op with SM90_TILES[kernel] on compute capability 9.x,
+  'mosaic' (tokamax's own choice of tiles) elsewhere or where SM90_TILES has None."""
+  tiles = SM90_TILES.get(kernel)
+  if tiles is None or not 9.0 <= _gpu_compute_capability() < 10.0:
+    return "mosaic"
+  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu  # pylint: disable=import-outside-toplevel
+  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common  # pylint: disable=import-outside-toplevel
+  block_m, block_n, block_k, stages = tiles
+  config = pallas_mosaic_gpu_common.Config(
+      block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages, split_k=1,
+      persistent=False, grid_minor_dim=pallas_mosaic_gpu_common.MatmulDimension.M,
+      grid_tile_width=1)
+  return (pallas_mosaic_gpu.PallasMosaicGpuRaggedDot(config=config),)
+
+
+def _call_tokamax(fn, *args, implementation: str, kernel: str, **kwargs) -> jax.Array:
+  """`fn(*args, implementation=..., **kwargs)` for one of the grouped matmul's kernels ('fwd',
+  'dlhs', 'drhs'; 'mosaic' takes `_mosaic_implementation`'s tiles), its NotImplementedError
+  (tokamax's way of saying that its kernel lacks a dtype or shape) turned into an error naming
+  the config field."""
+  impl = _mosaic_implementation(kernel) if implementation == "mosaic" else implementation
   try:
-    return fn(*args, implementation=implementation, **kwargs)
+    return fn(*args, implementation=impl, **kwargs)
   except NotImplementedError as e:
     shapes = ", ".join(f"{a.dtype}{list(a.shape)}" for a in args if hasattr(a, "shape"))
     raise ValueError(
@@ -153,7 +182,7 @@ def _call_tokamax(fn, *args, implementation: str, **kwargs) -> jax.Array:
 def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation):
   """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs."""
   out = _call_tokamax(_tokamax().ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
-                      implementation=implementation)
+                      implementation=implementation, kernel="fwd")
   return zero_rows(out, _rows_in_groups(lhs.shape[0], group_sizes))
 
 
@@ -168,9 +197,16 @@ def _tokamax_grouped_bwd(out_dtype, implementation, residuals, dout):
   # output is rounded to the input dtype, as a bf16 matmul's backward would read it anyway.
   dout = dout.astype(lhs.dtype)
   dlhs = _call_tokamax(_tokamax().ragged_dot_general, dout, rhs, group_sizes, _DLHS_DIMS,
-                       preferred_element_type=lhs.dtype, implementation=implementation)
-  drhs = _call_tokamax(_tokamax().ragged_dot_general, lhs, dout, group_sizes, _DRHS_DIMS,
-                       preferred_element_type=rhs.dtype, implementation=implementation)
+                       preferred_element_type=lhs.dtype, implementation=implementation,
+                       kernel="dlhs")
+  if implementation == "mosaic":
+    # Not tokamax's sm90 ragged-contracting kernel: it returned wrong, run-to-run different weight
+    # gradients on an H200 (pallas_kernels/grouped_matmul says more).
+    drhs = grouped_weight_grad(lhs, dout, group_sizes, rhs.dtype)
+  else:
+    drhs = _call_tokamax(_tokamax().ragged_dot_general, lhs, dout, group_sizes, _DRHS_DIMS,
+                         preferred_element_type=rhs.dtype, implementation=implementation,
+                         kernel="drhs")
   # The kernels never write the rows past the groups (uninitialised memory on the GPU).
   dlhs = zero_rows(dlhs, _rows_in_groups(lhs.shape[0], group_sizes))
   return dlhs, drhs, None
@@ -193,9 +229,10 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   Returns [M, f] in preferred_element_type (default lhs.dtype), zero on rows past Σ group_sizes.
   implementation: 'mosaic' (tokamax's Pallas Mosaic GPU kernels: bf16/f16 inputs, NVIDIA compute
   capability >= 9.0 for the dlhs and drhs kernels) or 'xla' (tokamax's reference, which is
-  `jax.lax.ragged_dot_general`: any backend and dtype). Both gradients run on the same
-  implementation (dlhs: a grouped matmul against rhs transposed; drhs: tokamax's ragged-contracting
-  kernel); the cotangent is rounded to lhs.dtype first. A kernel that cannot take these dtypes or
+  `jax.lax.ragged_dot_general`: any backend and dtype). dlhs runs on the same implementation (a
+  grouped matmul against rhs transposed); drhs on tokamax's ragged-contracting op for 'xla' and on
+  k3jax's Pallas kernel for 'mosaic' (`pallas_kernels.grouped_matmul`: tokamax 0.0.17's sm90
+  kernel returned wrong sums, RESULTS.md run 18). The cotangent is rounded to lhs.dtype first. A kernel that cannot take these dtypes or
   shapes raises ValueError naming ModelConfig.moe_grouped_matmul.
   """
   if implementation not in TOKAMAX_IMPLEMENTATIONS:

@@ -298,10 +298,25 @@ def test_tokamax_errors_name_the_config_field():
   def unsupported(*args, implementation):
     raise NotImplementedError("Only bfloat16/float16 inputs are supported")
   with pytest.raises(ValueError, match="moe_grouped_matmul.*'mosaic'.*bfloat16"):
-    moe._call_tokamax(unsupported, jnp.zeros((4, 2)), implementation="mosaic")
+    moe._call_tokamax(unsupported, jnp.zeros((4, 2)), implementation="mosaic", kernel="fwd")
   with pytest.raises(ValueError, match="implementation"):
     tokamax_ragged_dot(jnp.zeros((4, 2)), jnp.zeros((1, 2, 3)), jnp.ones((1,), jnp.int32),
                        implementation="triton")
+
+
+def test_mosaic_tiles_apply_on_sm90_only(monkeypatch):
+  """SM90_TILES reach tokamax's op on compute capability 9.x; elsewhere (and for a kernel whose
+  entry is None or missing) tokamax chooses ('mosaic')."""
+  assert moe._mosaic_implementation("fwd") == "mosaic"  # CPU: no compute capability
+  monkeypatch.setattr(moe, "_gpu_compute_capability", lambda: 9.0)
+  monkeypatch.setattr(moe, "SM90_TILES", {"fwd": (128, 64, 256, 4), "dlhs": None})
+  (op,) = moe._mosaic_implementation("fwd")
+  cfg = op.config
+  assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == (128, 64, 256, 4)
+  assert not cfg.persistent and cfg.split_k == 1
+  assert moe._mosaic_implementation("dlhs") == "mosaic"
+  monkeypatch.setattr(moe, "_gpu_compute_capability", lambda: 10.0)
+  assert moe._mosaic_implementation("fwd") == "mosaic"
 
 
 # ------------------------------------------------------------------------------------------------
