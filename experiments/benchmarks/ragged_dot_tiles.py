@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 
 import jax
@@ -29,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops import moe as moe_ops
+from moe_bench import time_ms   # this folder (the script's) is on sys.path
 from pallas_kernels.grouped_matmul import GroupedGradConfig, grouped_weight_grad
 
 # (rows, K, N, experts) of each grouped matmul's forward: gate+up (latent -> 2·expert_dim) and
@@ -149,17 +149,6 @@ def draw_group_sizes(draw: str, rows: int, experts: int) -> np.ndarray:
     p[[0, 1, experts // 2]] = 0.0
   total = rows - min(1000, rows // 10) if draw == "short" else rows
   return rng.multinomial(total, p / p.sum()).astype(np.int32)
-
-
-def time_ms(fn, *args, warmup: int, iters: int) -> float:
-  for _ in range(warmup):
-    jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(iters):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
 
 
 def main() -> None:
