@@ -146,6 +146,7 @@ def _tokamax():
 # (experiments/benchmarks/ragged_dot_tiles.py; RESULTS.md run 18).
 SM90_TILES = {"fwd": (128, 128, 64, 3), "dlhs": (128, 128, 64, 3)}
 
+
 def _mosaic_implementation(kernel: str):
   """tokamax's `implementation` argument for one of the grouped matmul's kernels ('fwd', 'dlhs')
   on the Mosaic GPU path: the op with SM90_TILES[kernel] on compute capability 9.x,
@@ -232,8 +233,9 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   `jax.lax.ragged_dot_general`: any backend and dtype). dlhs runs on the same implementation (a
   grouped matmul against rhs transposed); drhs on tokamax's ragged-contracting op for 'xla' and on
   k3jax's Pallas kernel for 'mosaic' (`pallas_kernels.grouped_matmul`: tokamax 0.0.17's sm90
-  kernel returned wrong sums, RESULTS.md run 18). The cotangent is rounded to lhs.dtype first. A kernel that cannot take these dtypes or
-  shapes raises ValueError naming ModelConfig.moe_grouped_matmul.
+  kernel returned wrong sums, RESULTS.md run 18). The cotangent is rounded to lhs.dtype first.
+  A kernel that cannot take these dtypes or shapes raises ValueError naming
+  ModelConfig.moe_grouped_matmul.
   """
   if implementation not in TOKAMAX_IMPLEMENTATIONS:
     raise ValueError(f"tokamax_ragged_dot: implementation={implementation!r}: expected one of "
