@@ -169,6 +169,15 @@ def _abstract(out_info: PyTree, device=None) -> PyTree:
   return jax.tree.map(one, out_info, is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
 
 
+def _replicated(state_shardings) -> Any:
+  """A sharding replicated over the mesh of `state_shardings` (a tree of NamedShardings), or None
+  when there is none (one device: the programs take no shardings)."""
+  for sharding in jax.tree.leaves(state_shardings):
+    if isinstance(sharding, jax.sharding.NamedSharding):
+      return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+  return None
+
+
 def _run(prepare: Callable, microbatch: Callable, update: Callable, state, batch: dict):
   """The host loop: prepare, one program call per micro-batch, the update."""
   micro_batches, weights, acc = prepare(state.params, state.moe_state, batch)
@@ -211,15 +220,22 @@ class HostLoopStep:
     st = state_shardings
     self._params_sh = None if st is None else st.params
     self._moe_sh = None if st is None else st.moe_state
-    self._acc_sh = {"grads": self._params_sh, "total": None, "ce": None, "aux": None,
-                    "stats": None, "qk": None}
+    # The weights and the small accumulators (scalar sums, MoE load statistics, QK-Clip maxima)
+    # are replicated over the mesh, named in the programs' shardings: left unspecified, the
+    # micro-batch program lowered ahead of time from prepare's abstract outputs (`lower`,
+    # StagesConfig.precompile) read them with other shardings than the arrays prepare returns
+    # at run time, so on a mesh the loop compiled that program again.
+    self._rep = _replicated(st)
+    rep = self._rep
+    self._acc_sh = {"grads": self._params_sh, "total": rep, "ce": rep, "aux": rep,
+                    "stats": rep, "qk": rep}
 
     def train_step_microbatch(params, moe_state, micro_batch, weight, acc):
       return add_microbatch(loss_fn, params, moe_state, micro_batch, weight, acc)
 
     self._microbatch = self._jit(
         train_step_microbatch, donate=(4,),
-        in_sh=(self._params_sh, self._moe_sh, batch_shardings, None, self._acc_sh),
+        in_sh=(self._params_sh, self._moe_sh, batch_shardings, rep, self._acc_sh),
         out_sh=(self._acc_sh, self._moe_sh), extra="")
 
   def _jit(self, fun, donate, in_sh, out_sh, extra):
@@ -253,7 +269,7 @@ class HostLoopStep:
       prepare = self._jit(
           train_step_prepare, donate=(), extra=extra,
           in_sh=(self._params_sh, self._moe_sh, self._batch_sh),
-          out_sh=((self._batch_sh,) * num_micro, None, self._acc_sh))
+          out_sh=((self._batch_sh,) * num_micro, (self._rep,) * num_micro, self._acc_sh))
       update = self._jit(
           train_step_update, donate=(0,), extra=extra,
           in_sh=(None if st is None else st.replace(moe_state=None), self._moe_sh, self._acc_sh,
