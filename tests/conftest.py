@@ -47,13 +47,9 @@ except Exception:  # backends already initialised (e.g. on GPU); the XLA flag ab
   pass
 jax.config.update("jax_default_matmul_precision", "highest")
 # Many tests compile the same tiny programs (train steps, evaluators) in both workers: a persistent
-# compilation cache shared by the run's processes compiles each once. Every program, as the CLIs
-# cache them (`k3jax.compiler.enable_compilation_cache`): JAX's defaults skip programs compiled in
-# under a second, many of the tests' small jits and evaluation programs at -O0.
+# compilation cache shared by the run's processes compiles each once (programs >= 1 s to compile).
 jax.config.update("jax_compilation_cache_dir",
                   os.path.join(tempfile.gettempdir(), "k3jax-tests-jax-cache"))
-jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def pytest_collection_modifyitems(config, items):
