@@ -56,7 +56,7 @@ def _launch(config: GroupedGradConfig) -> dict:
                                                        num_stages=config.launch[1]))
 
 
-def _kernel(start_ref, size_ref, lhs_ref, dout_ref, out_ref, *, block_rows: int, mm_dtype):
+def _kernel(start_ref, size_ref, lhs_ref, dout_ref, out_ref, *, block_rows: int, precision):
   """start_ref, size_ref [1] int32 (this group's first row and row count); lhs_ref [M, bk];
   dout_ref [M, bn]; out_ref [bk, bn]."""
   start = start_ref[0]
@@ -74,8 +74,7 @@ def _kernel(start_ref, size_ref, lhs_ref, dout_ref, out_ref, *, block_rows: int,
     mask = ((rows >= lo) & (rows < end))[:, None]
     a = pl_triton.load(lhs_ref.at[pl.ds(first, block_rows), :], mask=mask, other=0)
     b = pl_triton.load(dout_ref.at[pl.ds(first, block_rows), :], mask=mask, other=0)
-    return acc + jnp.dot(a.astype(mm_dtype).T, b.astype(mm_dtype),
-                         preferred_element_type=jnp.float32)
+    return acc + jnp.dot(a.T, b, precision=precision, preferred_element_type=jnp.float32)
 
   acc = lax.fori_loop(0, steps, step, jnp.zeros(out_ref.shape, jnp.float32))
   out_ref[...] = acc.astype(out_ref.dtype)
@@ -115,10 +114,11 @@ def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
     dout = jnp.pad(dout, ((0, br - m), (0, 0)))
   sizes = group_sizes.astype(jnp.int32)
   starts = jnp.cumsum(sizes) - sizes
-  mm_dtype = jnp.float32 if lhs.dtype == jnp.float32 else lhs.dtype
+  # fp32 operands: fp32 products (Triton's default for fp32 dots is TF32).
+  precision = lax.Precision.HIGHEST if lhs.dtype == jnp.float32 else None
   one = pl.BlockSpec((1,), lambda i, j, e: (e,))
   return pl.pallas_call(
-      functools.partial(_kernel, block_rows=br, mm_dtype=mm_dtype),
+      functools.partial(_kernel, block_rows=br, precision=precision),
       grid=(k // bk, n // bn, g),
       in_specs=[one, one,
                 pl.BlockSpec((lhs.shape[0], bk), lambda i, j, e: (0, i)),
