@@ -1,21 +1,25 @@
-r"""Tile sweep of tokamax's sm90 grouped-matmul kernels at the MoE's shapes (one H200).
+r"""Tile sweep of the MoE's grouped-matmul kernels at its shapes, with their errors (one H200).
 
-The routed experts run three Mosaic GPU kernels per matmul (`k3jax.ops.moe.tokamax_ragged_dot`):
-the forward and dlhs (`ragged_dot_sm90`, dlhs against the weights transposed) and drhs
-(`ragged_contracting_dim_dot_sm90`). tokamax picks their tiles by a heuristic on sm90 (64 x 64 x 128,
-two stages) when its autotuning cache has no entry. This script times each kernel with each of
---configs (block_m:block_n:block_k:stages:persistent; for drhs also k3jax's own kernel,
-pallas_kernels.grouped_matmul, as pallas:block_k:block_n:block_rows:warps:stages) at small.gin's and medium.gin's shapes
-(4 x 8192 tokens, top-4: 131072 rows), bf16 in and out as in `grouped_situ_glu`, and prints one
-JSON line per (shape, kernel, config): median ms of --iters calls, TFLOP/s (2·M·K·N), and the
-error against a dense fp32 reference (batched matmuls over the groups' rows padded to the largest
-group; max |difference| over max |reference|, per --draws of group sizes; bf16 output rounding
-alone gives ~0.004), whether a second call returned the same bits, or the error a config raised. A config whose error ratio passes
---max_err is reported but not ranked. A last line per (shape, kernel) names the fastest config and its ratio
-against tokamax's heuristic, timed in the same run.
+The routed experts run three kernels per matmul (`k3jax.ops.moe.tokamax_ragged_dot`): the forward
+and dlhs on tokamax's `ragged_dot_sm90` (dlhs against the weights transposed), and drhs, the
+weights' gradient, on k3jax's `pallas_kernels.grouped_matmul` (tokamax's
+`ragged_contracting_dim_dot_sm90` returned wrong sums: RESULTS.md run 18). Without an
+autotuning-cache entry tokamax picks 64 x 64 x 128 tiles with two stages on sm90.
+
+Each kernel runs with each of --configs at small.gin's and medium.gin's shapes (4 x 8192 tokens,
+top-4: 131072 rows), bf16 in and out as in `grouped_situ_glu`. A config is 'heuristic' (tokamax's
+choice), 'block_m:block_n:block_k:stages:persistent' (tokamax's kernel with those tiles), or for
+drhs 'pallas:block_k:block_n:block_rows:warps:stages' (k3jax's kernel). One JSON line per (shape,
+kernel, config): median ms of --iters calls, TFLOP/s (2·M·K·N), the error ratio against a dense
+fp32 reference per --draws of group sizes (max |difference| over max |reference|; bf16 output
+rounding alone gives ~0.004; batched matmuls over the groups' rows padded to the largest group),
+whether a second call returned the same bits, or the error a config raised. Configs whose error
+ratio exceeds --max_err are reported but not ranked; a last line per (shape, kernel) names the
+fastest correct config and its ratio against tokamax's heuristic, timed in the same run.
 
   PYTHONPATH=. python experiments/benchmarks/ragged_dot_tiles.py              # one H200
-  PYTHONPATH=. python experiments/benchmarks/ragged_dot_tiles.py --cases=medium_up --kernels=fwd
+  PYTHONPATH=. python experiments/benchmarks/ragged_dot_tiles.py --kernels=drhs \
+      --draws=uniform,skewed,empty,short --configs=heuristic,pallas:128:128:64:8:3
 """
 from __future__ import annotations
 
