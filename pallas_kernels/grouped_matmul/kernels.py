@@ -6,8 +6,8 @@ The routed experts' grouped matmul out = lhs @ rhs[group] has rows sorted by gro
 gradient contracts the ragged dimension: drhs[g] = Σ_{r in group g} lhs[r]ᵀ dout[r], [G, K, N].
 
 Why a kernel of our own: tokamax 0.0.17's sm90 kernel for it (`ragged_contracting_dim_dot`)
-returned wrong sums on an H200 with its default tiles and with most others (max error 8-20 % of
-the largest entry against an fp32 reference, and a different result on a second call: a race),
+returned wrong sums on an H200 with its default tiles and with most others (max errors up to
+13-22 % of the largest entry against an fp32 reference, and a different result on a second call),
 RESULTS.md run 18. This kernel was right at every shape and group-size draw tried there, and
 2.2-2.7x faster than tokamax's one right tile at small.gin's and medium.gin's shapes.
 
