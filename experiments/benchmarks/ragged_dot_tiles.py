@@ -135,7 +135,7 @@ def defined_part(kernel: str, out: jax.Array, sizes: np.ndarray) -> jax.Array:
   (k3jax zeroes them after the call, `k3jax.ops.moe.zero_rows`)."""
   if kernel == "drhs":
     return out
-  return jnp.where((np.arange(out.shape[0]) < sizes.sum())[:, None], out, jnp.zeros((), out.dtype))
+  return moe_ops.zero_rows(out, moe_ops._rows_in_groups(out.shape[0], jnp.asarray(sizes)))  # pylint: disable=protected-access
 
 
 DRAWS = ("uniform", "skewed", "empty", "short")

@@ -30,6 +30,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels.common import result_like
+
 
 @dataclasses.dataclass(frozen=True)
 class GroupedGradConfig:
@@ -80,12 +82,6 @@ def _kernel(start_ref, size_ref, lhs_ref, dout_ref, out_ref, *, block_rows: int,
   out_ref[...] = acc.astype(out_ref.dtype)
 
 
-def _like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
-  """A result varying over x's manual mesh axes (inside `shard_map`, as the expert-parallel MoE
-  calls the kernel)."""
-  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
-
-
 def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype=None,
                         config: GroupedGradConfig = GroupedGradConfig()) -> jax.Array:
   """out[g] = lhs[rows of g]ᵀ · dout[rows of g]: [G, K, N] in out_dtype (default lhs.dtype).
@@ -124,7 +120,7 @@ def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
                 pl.BlockSpec((lhs.shape[0], bk), lambda i, j, e: (0, i)),
                 pl.BlockSpec((dout.shape[0], bn), lambda i, j, e: (0, j))],
       out_specs=pl.BlockSpec((None, bk, bn), lambda i, j, e: (e, i, j)),
-      out_shape=_like(lhs, (g, k, n), out_dtype),
+      out_shape=result_like(lhs, (g, k, n), out_dtype),
       name="grouped_weight_grad",
       **_launch(config),
   )(starts, sizes, lhs, dout)

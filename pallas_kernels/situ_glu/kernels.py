@@ -25,6 +25,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels.common import result_like
+
 
 @dataclasses.dataclass(frozen=True)
 class SituGluConfig:
@@ -86,13 +88,6 @@ def _launch(config: SituGluConfig) -> dict:
                                                        num_stages=config.launch[1]))
 
 
-def _like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
-  """A result varying over x's manual mesh axes (inside `shard_map`, as the expert-parallel MoE
-  calls the kernels: pallas_call must be told, and a custom VJP's cotangent must vary as its
-  input does)."""
-  return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
-
-
 def _split(gate_up: jax.Array, mp: int) -> jax.Array:
   """[M, 2f] -> [Mp, 2, f] (a free reshape when M = Mp; zero rows appended otherwise)."""
   m, two_f = gate_up.shape
@@ -112,7 +107,7 @@ def situ_glu_fwd_kernel(gate_up: jax.Array, beta1: float, beta2: float, out_dtyp
       grid=(mp // bm, f // bf),
       in_specs=[pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j))],
       out_specs=pl.BlockSpec((bm, bf), lambda i, j: (i, j)),
-      out_shape=_like(gate_up, (mp, f), out_dtype),
+      out_shape=result_like(gate_up, (mp, f), out_dtype),
       name="situ_glu_fwd",
       **_launch(config),
   )(_split(gate_up, mp))
@@ -133,7 +128,7 @@ def situ_glu_bwd_kernel(gate_up: jax.Array, dh: jax.Array, beta1: float, beta2: 
       in_specs=[pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j)),
                 pl.BlockSpec((bm, bf), lambda i, j: (i, j))],
       out_specs=pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j)),
-      out_shape=_like(gate_up, (mp, 2, f), gate_up.dtype),
+      out_shape=result_like(gate_up, (mp, 2, f), gate_up.dtype),
       name="situ_glu_bwd",
       **_launch(config),
   )(_split(gate_up, mp), dh)
