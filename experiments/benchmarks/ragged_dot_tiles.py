@@ -60,11 +60,8 @@ def parse_config(text: str):
   """'bm:bn:bk:stages:persistent' -> tokamax's sm90 ragged-dot Config; 'heuristic' -> None."""
   if text == HEURISTIC:
     return None
-  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common  # pylint: disable=import-outside-toplevel
   bm, bn, bk, stages, persistent = (int(x) for x in text.split(":"))
-  return common.Config(block_m=bm, block_n=bn, block_k=bk, num_stages=stages, split_k=1,
-                       persistent=bool(persistent), grid_minor_dim=common.MatmulDimension.M,
-                       grid_tile_width=1)
+  return moe_ops.sm90_config(bm, bn, bk, stages, bool(persistent))
 
 
 def dimension_numbers(kernel: str) -> jax.lax.RaggedDotDimensionNumbers:

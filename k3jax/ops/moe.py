@@ -155,13 +155,15 @@ def _mosaic_implementation(kernel: str):
   if tiles is None or not 9.0 <= _gpu_compute_capability() < 10.0:
     return "mosaic"
   from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu  # pylint: disable=import-outside-toplevel
-  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common  # pylint: disable=import-outside-toplevel
-  block_m, block_n, block_k, stages = tiles
-  config = pallas_mosaic_gpu_common.Config(
-      block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages, split_k=1,
-      persistent=False, grid_minor_dim=pallas_mosaic_gpu_common.MatmulDimension.M,
-      grid_tile_width=1)
-  return (pallas_mosaic_gpu.PallasMosaicGpuRaggedDot(config=config),)
+  return (pallas_mosaic_gpu.PallasMosaicGpuRaggedDot(config=sm90_config(*tiles)),)
+
+
+def sm90_config(block_m: int, block_n: int, block_k: int, stages: int, persistent: bool = False):
+  """tokamax's sm90 ragged-dot Config with these tiles (one k-split, M-major grid order)."""
+  from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu_common as common  # pylint: disable=import-outside-toplevel
+  return common.Config(block_m=block_m, block_n=block_n, block_k=block_k, num_stages=stages,
+                       split_k=1, persistent=persistent, grid_minor_dim=common.MatmulDimension.M,
+                       grid_tile_width=1)
 
 
 def _call_tokamax(fn, *args, implementation: str, kernel: str, **kwargs) -> jax.Array:
