@@ -125,13 +125,15 @@ def _tokamax_forward_lse(q, k, v, segment_ids, *, scale: float, causal: bool):
 
 
 def default_flash_config(interpret: bool = False) -> FlashConfig:
-  """Block sizes for `pallas_attention`: the fastest of four measured on an H200 for the
-  backward at MLA's head dims (q/k 192, then padded to 256, v 128), T = 65536 with 8 documents:
-  dq over 128-query × 32-key tiles, dk/dv over 128-key × 32-query tiles, 8 warps, 2 stages
-  (18.6 ms forward+backward with tokamax's forward, against 19.5–28.0 for the others; RESULTS.md,
-  run 9)."""
+  """Block sizes for `pallas_attention`'s backward at MLA's head dims (q/k 192 read as 128 + 64,
+  v 128): dq over 128-query x 32-key tiles, dk/dv over 128-key x 32-query tiles, 8 warps, 3
+  stages. Chosen on an H200 at 4 rows of 8192 tokens with three documents each (RESULTS.md,
+  run 19): tokamax's forward + this backward 6.39 ms with 12 heads, 3.20 ms with 6, against 7.71
+  and 3.70 with 2 stages (run 9's choice, made at T = 65536). Of 14 other tiles and launches three
+  came within 1 % (4 or 5 stages; 64 x 32 tiles with 4 warps, 3 stages), the rest took 6.76-18.1
+  ms, and 128 x 128 tiles do not fit in shared memory. The forward keeps run 9's launch."""
   return FlashConfig(block_q=128, block_k=32, block_q_dkv=32, block_k_dkv=128, fwd_launch=(8, 2),
-                     dq_launch=(8, 2), dkv_launch=(8, 2), interpret=interpret)
+                     dq_launch=(8, 3), dkv_launch=(8, 3), interpret=interpret)
 
 
 def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
