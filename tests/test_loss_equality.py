@@ -44,13 +44,19 @@ def test_parse_paths():
       le.parse_paths(bad)
 
 
+# Two decoder layers (one KDA, one MLA) instead of tiny.gin's four: the machinery is the point,
+# and each path traces and initialises its own model.
+_SMALLER = ["--gin_bindings=ModelConfig.num_layers = 2", "--gin_bindings=ModelConfig.mla_every = 2"]
+
+
 def _smoke(cache_dir, *extra):
-  """Runs `loss_equality.py --smoke` in a child process: (exit status, {event: [rows]})."""
+  """Runs `loss_equality.py --smoke` (two decoder layers) in a child process: (exit status,
+  {event: [rows]})."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([_REPO, os.environ.get("PYTHONPATH", "")]))
   out = subprocess.run(
       [sys.executable, os.path.join(_REPO, "experiments", "benchmarks", "loss_equality.py"),
-       "--smoke", f"--cache_dir={cache_dir}", *extra],
+       "--smoke", f"--cache_dir={cache_dir}", *_SMALLER, *extra],
       capture_output=True, text=True, timeout=600, env=env, cwd=_REPO)
   rows = {}
   for line in out.stdout.splitlines():
