@@ -287,7 +287,7 @@ def test_runs_restore_across_the_decoder_layouts(tmp_path):
   assert meta["step"] == 2 and cfg.model.scan_layers
   assert "layer_1" not in params and any(is_scanned_path((k,)) for k in params)
   tokens = np.zeros((1, 16), np.int32)
-  logits = K3Model(cfg.model).apply({"params": params, "moe_state": moe_state}, tokens)
+  logits = jax.jit(K3Model(cfg.model).apply)({"params": params, "moe_state": moe_state}, tokens)
   assert np.all(np.isfinite(np.asarray(logits)))
   result = train_lib.train(new, workdir, max_steps=3, progress=False, tensorboard=False)
   assert result.step == 3
