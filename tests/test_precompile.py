@@ -118,10 +118,11 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
   """)
   runs = {}
   mesh_host = "on@data:2,expert:4@host"
+  folder = lambda mode: mode.replace(":", "").replace(",", "_").replace("@", "_")
+  cache_of = {"off@": "on@"}   # the run whose cache folder a run reads (default: its own)
   for mode in ("on@", "off@", mesh_host, "off@@host"):
-    name = mode.replace(":", "").replace(",", "_").replace("@", "_")
-    cache = "cache_on_" if mode == "off@" else f"cache_{name}"
-    out = _python(script, str(tmp_path / cache), str(tmp_path / name), mode)
+    out = _python(script, str(tmp_path / f"cache_{folder(cache_of.get(mode, mode))}"),
+                  str(tmp_path / folder(mode)), mode)
     runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     if mode.startswith("on"):
       assert "train step of stage 1 (32 tokens): compiled in the background" in out.stdout
