@@ -15,7 +15,6 @@ from typing import Any, Iterable, Mapping, Optional
 
 import numpy as np
 import tqdm
-from tensorboardX import SummaryWriter
 
 # Peak dense bf16 FLOP/s used for the MFU estimate when --peak_tflops is not given.
 DEFAULT_PEAK_FLOPS = {"gpu": 989e12, "tpu": 459e12, "cpu": 1e12}
@@ -79,7 +78,13 @@ class MetricsWriter:
     elif resume_step is None and os.path.exists(self.path):
       os.remove(self.path)  # a fresh run
     self._file = open(self.path, "a")
-    self._tb = SummaryWriter(os.path.join(workdir, "tb")) if tensorboard else None
+    self._tb = None
+    if tensorboard:
+      # Imported here, not with the module: tensorboardX imports torch where it is installed
+      # (3.2 s of the GPU image's 5.6 s `import k3jax.train`, RESULTS.md run 20), and the CLI
+      # makes its writer while the first step compiles in the background.
+      from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
+      self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
   def write(self, step: int, kind: str, values: Mapping[str, Any]) -> dict:
     record = {"step": int(step), "kind": kind}

@@ -222,6 +222,17 @@ def test_cli_bad_setting_fails_at_start(tmp_path, binding, name):
   assert "Traceback" not in err
 
 
+def test_importing_the_training_module_leaves_tensorboard_and_matplotlib_for_later():
+  """The CLI's start-up path does not import tensorboardX (which imports torch where it is
+  installed) or matplotlib: the writer and the plots import them where they are made."""
+  code = ("import sys, k3jax.train; "
+          "print(sorted(m for m in ('tensorboardX', 'matplotlib', 'torch') if m in sys.modules))")
+  out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
+                       env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"), timeout=300)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
 def test_cli_rejects_bad_mesh(tmp_path):
   proc = _cli(["--mesh=model:2", f"--workdir={tmp_path}"])
   _, err = proc.communicate(timeout=300)
