@@ -26,6 +26,7 @@ rounding of XLA's different fusions.
 
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Callable
 
 import jax
@@ -313,7 +314,14 @@ class HostLoopLowered:
     self.programs = programs
 
   def compile(self) -> "HostLoopCompiled":
-    return HostLoopCompiled({name: lowered.compile() for name, lowered in self.programs.items()})
+    """The programs compiled at once, one thread each: XLA's compile releases Python's lock, so
+    the optimizer update's and the preparation's compiles hide behind the micro-batch program's
+    (tiny.gin's host loop on a 2-core CPU: 17.4 s one after the other, 15.0 s at once; the
+    update alone 3.9 s). An error of any program is raised, as by a plain `compile()`."""
+    with concurrent.futures.ThreadPoolExecutor(len(self.programs),
+                                               thread_name_prefix="k3jax-host-loop") as pool:
+      futures = {name: pool.submit(lowered.compile) for name, lowered in self.programs.items()}
+      return HostLoopCompiled({name: future.result() for name, future in futures.items()})
 
 
 class HostLoopCompiled:

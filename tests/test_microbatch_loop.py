@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -127,6 +128,31 @@ def test_one_microbatch_runs_the_single_program():
   lowered = step.lower(state, jax.tree.map(jnp.asarray, _batches(cfg, 1)[0]))
   assert isinstance(lowered, jax.stages.Lowered)
   assert "train_step" in lowered.as_text()[:2000]
+
+
+def test_host_loop_programs_compile_at_once_and_a_failure_is_raised():
+  """`HostLoopLowered.compile` runs the programs' compiles concurrently (each of these waits until
+  all three have started: one after the other, the barrier would time out) and raises a
+  program's compile error."""
+  barrier = threading.Barrier(3, timeout=30)
+
+  class Program:
+    def __init__(self, fail=False):
+      self.fail = fail
+
+    def compile(self):
+      barrier.wait()
+      if self.fail:
+        raise RuntimeError("no compile for you")
+      return threading.current_thread().name
+
+  names = ("train_step_prepare", "train_step_microbatch", "train_step_update")
+  compiled = microbatch_lib.HostLoopLowered({n: Program() for n in names}).compile()
+  assert list(compiled.programs) == list(names)
+  assert len(set(compiled.programs.values())) == 3   # three threads
+  barrier.reset()
+  with pytest.raises(RuntimeError, match="no compile for you"):
+    microbatch_lib.HostLoopLowered({n: Program(fail=n == names[2]) for n in names}).compile()
 
 
 @pytest.mark.slow
