@@ -81,7 +81,7 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       # Imported here, not with the module: tensorboardX imports torch where it is installed
-      # (3.2 s of the GPU image's 5.6 s `import k3jax.train`, RESULTS.md run 20), and the CLI
+      # (3.2 s of the GPU image's 5.2 s `import k3jax.train`, RESULTS.md run 20), and the CLI
       # makes its writer while the first step compiles in the background.
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
