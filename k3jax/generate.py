@@ -131,7 +131,9 @@ def _load(argv_flags) -> tuple[config_lib.Config, dict, str]:
   if not argv_flags.gin_file:
     raise config_lib.ConfigError("pass --gin_file=... (fresh model) or --workdir=... (checkpoint)")
   cfg = config_lib.from_gin(argv_flags.gin_file, argv_flags.gin_bindings)
-  variables = init_variables(cfg.model, jax.random.PRNGKey(cfg.seed), 1, 8)
+  # One compiled program: eagerly, every initialiser is dispatched (and compiled) on its own.
+  init = jax.jit(lambda rng: init_variables(cfg.model, rng, 1, 8))
+  variables = init(jax.random.PRNGKey(cfg.seed))
   return cfg, variables, "a randomly initialised model (train one with k3jax.train)"
 
 

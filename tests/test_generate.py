@@ -11,22 +11,31 @@ import pytest
 
 from k3jax import config as config_lib
 from k3jax.generate import decode_forward, generate, init_cache, sample_token
-from k3jax.model import K3Model
+from k3jax.model import K3Model, init_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
+
+
+def _variables(cfg) -> dict:
+  """K3Model(cfg)'s unboxed variables from PRNGKey(0), through one compiled program (an eager
+  `model.init` computes a forward pass op by op: ~5x slower on the CPU)."""
+  return nn.meta.unbox(jax.jit(lambda rng: init_variables(cfg, rng))(jax.random.PRNGKey(0)))
+
+
+def _full_forward(cfg, variables, tokens):
+  return jax.jit(K3Model(cfg).apply)(variables, tokens)
 
 
 def _setup(T=21):
   cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
   cfg = dataclasses.replace(cfg, kda_chunk_size=16)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, T), 0, cfg.vocab_size)
-  variables = nn.meta.unbox(K3Model(cfg).init(jax.random.PRNGKey(0), tokens))
-  return cfg, tokens, variables
+  return cfg, tokens, _variables(cfg)
 
 
 def test_prefill_then_steps_equal_full_forward():
   cfg, tokens, variables = _setup()
-  full = K3Model(cfg).apply(variables, tokens)
+  full = _full_forward(cfg, variables, tokens)
   prefill_len = 13
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
   logits, cache = decode_forward(cfg, variables, cache, tokens[:, :prefill_len])
@@ -40,7 +49,7 @@ def test_prefill_then_steps_equal_full_forward():
 
 def test_token_by_token_from_the_start_equals_full_forward():
   cfg, tokens, variables = _setup(T=9)
-  full = K3Model(cfg).apply(variables, tokens)
+  full = _full_forward(cfg, variables, tokens)
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
   got = []
   for t in range(tokens.shape[1]):
@@ -54,7 +63,7 @@ def test_greedy_generation_follows_the_argmax_of_the_full_forward():
   out = generate(cfg, variables, tokens, 6, jax.random.PRNGKey(0), temperature=0.0)
   assert out.shape == (2, 11)
   np.testing.assert_array_equal(out[:, :5], tokens)
-  full = K3Model(cfg).apply(variables, out[:, :-1])
+  full = _full_forward(cfg, variables, out[:, :-1])
   np.testing.assert_array_equal(out[:, 5:], jnp.argmax(full[:, 4:], axis=-1))
 
 
@@ -66,22 +75,22 @@ def test_top_k_sampling_stays_in_the_top_k():
 
 @pytest.mark.slow
 def test_decoding_the_scanned_decoder_equals_its_full_forward():
-  """With layers in the decoder's scan (10 layers: 0 | 1-4, 5-8 scanned | 9) the decode caches
-  are stacked per group, and prefill + steps still give the full forward's logits."""
+  """With layers in the decoder's scan (6 layers, MLA every second: 0 | 1-2, 3-4 scanned | 5) the
+  decode caches are stacked per group, and prefill + steps still give the full forward's logits."""
   cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
-  cfg = dataclasses.replace(cfg, kda_chunk_size=16, num_layers=10, d_model=32, kda_head_dim=16,
-                            kda_value_dim=16, mla_kv_lora_rank=16, mla_qk_nope_dim=16,
-                            mla_v_dim=16, dense_ffn_dim=32)
+  cfg = dataclasses.replace(cfg, kda_chunk_size=16, num_layers=6, mla_every=2, d_model=32,
+                            kda_head_dim=16, kda_value_dim=16, mla_kv_lora_rank=16,
+                            mla_qk_nope_dim=16, mla_v_dim=16, dense_ffn_dim=32)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 11), 0, cfg.vocab_size)
-  variables = nn.meta.unbox(K3Model(cfg).init(jax.random.PRNGKey(0), tokens))
+  variables = _variables(cfg)
   # Non-zero DepthMix queries, so that the mixes over the stacked blocks are not uniform.
   variables = jax.tree_util.tree_map_with_path(
       lambda p, x: 0.5 * jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape))
       if jax.tree_util.keystr(p).endswith("['query']") else x, variables)
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
-  assert cache["scanned_period_4"]["layer_1"]["kda"]["kda_state"].shape[:2] == (2, 2)
-  assert cache["scanned_period_4"]["layer_3"]["mla"]["cached_ckv"].shape == (2, 2, 11, 16)
-  full = K3Model(cfg).apply(variables, tokens)
+  assert cache["scanned_period_2"]["layer_2"]["kda"]["kda_state"].shape[:2] == (2, 2)
+  assert cache["scanned_period_2"]["layer_1"]["mla"]["cached_ckv"].shape == (2, 2, 11, 16)
+  full = _full_forward(cfg, variables, tokens)
   logits, cache = decode_forward(cfg, variables, cache, tokens[:, :7])
   got = [logits]
   for t in range(7, tokens.shape[1]):
