@@ -96,10 +96,10 @@ def test_evaluate_workdir_matches_direct_evaluation(tmp_path):
   assert results["step"] == 3 and results["seq_len"] == 16
   # Reference: the model applied directly to the same validation batches.
   data = train_lib.make_data(cfg)
-  model = train_lib.K3Model(cfg.model)
+  apply = jax.jit(train_lib.K3Model(cfg.model).apply)
   total, count = 0.0, 0.0
   for batch in data.validation_batches(16, 4, 2):
-    logits = model.apply({"params": params, "moe_state": moe_state}, jnp.asarray(batch["inputs"]),
+    logits = apply({"params": params, "moe_state": moe_state}, jnp.asarray(batch["inputs"]),
                          jnp.asarray(batch["segment_ids"]))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(batch["targets"]))
     total += float(jnp.sum(ce * batch["loss_mask"]))
@@ -169,9 +169,10 @@ def test_validation_equals_the_logits_path(chunked_setup):
   edges = (0, 3, 9, 16)
   total, count = 0.0, 0.0
   sums, counts = np.zeros(len(edges)), np.zeros(len(edges))
+  apply = jax.jit(model.apply)
   for batch in data.validation_batches(16, 4, 2):
-    logits = model.apply({"params": state.params, "moe_state": state.moe_state},
-                         jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_ids"]))
+    logits = apply({"params": state.params, "moe_state": state.moe_state},
+                   jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_ids"]))
     s, n = evaluate_lib.token_cross_entropy(logits, jnp.asarray(batch["targets"]),
                                             jnp.asarray(batch["loss_mask"]))
     total += float(s)
@@ -209,8 +210,8 @@ def test_passkey_skips_lengths_above_the_limit_and_matches_full_logits(chunked_s
   # Reference: the full logits of the same batch; the answer window's logits are their tail.
   batch = synthetic.passkey_batch(np.random.default_rng([3, 128]), cfg.eval.passkey_samples, 128,
                                   data.tokenizer, filler_tokens=data.filler_tokens)
-  logits = model.apply({"params": state.params, "moe_state": state.moe_state},
-                       jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_ids"]))
+  logits = jax.jit(model.apply)({"params": state.params, "moe_state": state.moe_state},
+                                jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_ids"]))
   assert out["passkey/128"] == float(np.mean(synthetic.passkey_accuracy(logits, batch)))
   first, end = evaluate_lib.answer_window(batch["loss_mask"])
   assert (first, end) == (123, 128)       # the 5 answer bytes of the byte tokenizer

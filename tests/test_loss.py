@@ -81,9 +81,9 @@ def test_model_return_hidden_gives_the_logits():
                             moe_expert_dim=8, moe_shared_dim=8, attnres_block_size=1)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 19, size=(2, 16)), jnp.int32)
   variables = jax.jit(lambda: init_variables(cfg, jax.random.key(0, impl="rbg"), 2, 16))()
-  model = K3Model(cfg)
-  logits = model.apply(variables, tokens)
-  h, head = model.apply(variables, tokens, return_hidden=True)
+  apply = jax.jit(K3Model(cfg).apply, static_argnames="return_hidden")
+  logits = apply(variables, tokens)
+  h, head = apply(variables, tokens, return_hidden=True)
   assert h.shape == (2, 16, 16) and head.shape == (16, 19)
   np.testing.assert_allclose(np.asarray(jnp.dot(h, head, preferred_element_type=jnp.float32)),
                              np.asarray(logits), rtol=1e-6, atol=1e-6)

@@ -68,11 +68,14 @@ def test_ep_pallas_activation_on_cpu_is_refused_by_name():
   """The SiTU-GLU kernels run in the Pallas interpreter on CPU, which shard_map's varying-axes
   check refuses: a clear error naming the field, not JAX's internal one."""
   z, idx, w, wg, wu, wo, valid = _problem()
+  mesh = sharding.make_mesh("expert:8")
+  # Under jit, as the model calls it: the refusal comes from tracing (eagerly, shard_map would
+  # first dispatch the dispatch's ops one by one).
+  run = jax.jit(lambda *args: moe_ep.routed_experts_ep(
+      *args, valid=valid, mesh=mesh, ragged_dot_fn=default_ragged_dot("ragged_dot"),
+      activation="pallas", **BETAS))
   with pytest.raises(ValueError, match="moe_situ_glu = 'pallas' on CPU"):
-    moe_ep.routed_experts_ep(z, idx, w, wg, wu, wo, valid=valid,
-                             mesh=sharding.make_mesh("expert:8"),
-                             ragged_dot_fn=default_ragged_dot("ragged_dot"), activation="pallas",
-                             **BETAS)
+    run(z, idx, w, wg, wu, wo)
 
 
 def _capacity_reference(z, idx, w, wg, wu, wo, valid, devices, num_ep, capacity):
