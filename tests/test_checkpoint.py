@@ -269,16 +269,18 @@ def test_runs_restore_across_the_decoder_layouts(tmp_path):
   from k3jax import train as train_lib
   from k3jax.model import K3Model, is_scanned_path, layer_plan
   # One stage: the last run's step and evaluation have the first run's shapes (the compilation
-  # cache holds them); the layouts are the point here, not the stages.
+  # cache holds them); the layouts are the point here, not the stages. Three MLA layers, each its
+  # own AttnRes block: the smallest decoder with two scanned groups (KDA's layers would triple
+  # the compile time; test_model's converter tests have them).
   bindings = ["StagesConfig.stages = ((16, 4),)", "StagesConfig.tokens_per_step = 256",
-              "ModelConfig.num_layers = 6", "ModelConfig.mla_every = 2",
-              "DataConfig.max_bytes = 200000",
+              "ModelConfig.num_layers = 3", "ModelConfig.mla_every = 1",
+              "ModelConfig.attnres_block_size = 1", "DataConfig.max_bytes = 200000",
               "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = ()",
               "CheckpointConfig.async_save = False"]
   old = config_lib.from_gin(["gin_configs/tiny.gin"], bindings + ["ModelConfig.scan_layers = False"])
   new = config_lib.from_gin(["gin_configs/tiny.gin"], bindings)
   workdir = str(tmp_path / "run")
-  assert layer_plan(new.model).num_groups == 2  # the scan stacks layers 1-4 in two groups
+  assert layer_plan(new.model).num_groups == 2  # the scan stacks layers 1 and 2 as two groups
   train_lib.train(old, workdir, max_steps=2, progress=False, tensorboard=False)
   # restore_run reads config.gin of the run: write the scanned config in its place, as a run
   # directory from before scan_layers existed gets the new default when it is parsed.

@@ -90,13 +90,14 @@ def test_background_compiles_are_read_back_by_the_callers_calls(tmp_path):
 @pytest.mark.slow
 def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_the_background(
     tmp_path):
-  """tiny run, two stages: with 'on', the loop's own calls of the training steps and validation
-  programs compile nothing (the background threads did), and the losses are those of 'off': on one
-  device with one program a step, and on a data:2 x expert:4 mesh of CPU devices with the host
-  micro-batch loop (two micro-batches a step) against the same loop on one device. The one-device
-  'off' run reads the 'on' run's cache folder and must compile nothing: the background threads
-  compiled exactly the programs that the plain loop runs (and the suite saves that run's
-  compiles). The mesh and the host loop share one run."""
+  """tiny run, two stages, two micro-batches a step: with 'on', the loop's own calls of the
+  training steps and validation programs compile nothing (the background threads did), and the
+  losses are those of 'off': on one device with the micro-batches in one program a step ('scan'),
+  and on a data:2 x expert:4 mesh of CPU devices with the host micro-batch loop, whose losses are
+  the one-device scan's up to the summation order (the two loops share their arithmetic,
+  test_microbatch_loop). The one-device 'off' run reads the 'on' run's cache folder and must
+  compile nothing: the background threads compiled exactly the programs that the plain loop runs
+  (and the suite saves that run's compiles). The mesh and the host loop share one run."""
   script = _LOG_SETUP + textwrap.dedent("""
       import json, sys
       import jax
@@ -107,10 +108,10 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
       mode, axes, loop = (sys.argv[3] + "@scan").split("@")[:3]
       cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS + [
           f"StagesConfig.precompile = '{mode}'", f"MeshConfig.axes = '{axes}'",
-          # host loop: micro-batches of 8 rows at stage 1, so that 8 batch shards split them
-          f"StagesConfig.tokens_per_step = {512 if loop == 'host' else 256}",
-          "ModelConfig.moe_num_experts = 8", f"StagesConfig.microbatch_loop = '{loop}'",
-          f"StagesConfig.microbatch_tokens = {256 if loop == 'host' else 0}"])
+          # two micro-batches a step: 16 rows at stage 1 and 8 at stage 2, which the mesh's 8
+          # batch shards split
+          "StagesConfig.tokens_per_step = 512", "StagesConfig.microbatch_tokens = 256",
+          "ModelConfig.moe_num_experts = 8", f"StagesConfig.microbatch_loop = '{loop}'"])
       train_lib.train(cfg, sys.argv[2], progress=False, tensorboard=False)
       losses = [r["loss"] for r in metrics.read_jsonl(sys.argv[2] + "/metrics.jsonl")
                 if r["kind"] == "train"]
@@ -120,7 +121,7 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
   mesh_host = "on@data:2,expert:4@host"
   folder = lambda mode: mode.replace(":", "").replace(",", "_").replace("@", "_")
   cache_of = {"off@": "on@"}   # the run whose cache folder a run reads (default: its own)
-  for mode in ("on@", "off@", mesh_host, "off@@host"):
+  for mode in ("on@", "off@", mesh_host):
     out = _python(script, str(tmp_path / f"cache_{folder(cache_of.get(mode, mode))}"),
                   str(tmp_path / folder(mode)), mode)
     runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -128,9 +129,9 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
       assert "train step of stage 1 (32 tokens): compiled in the background" in out.stdout
   assert runs["on@"]["losses"] == runs["off@"]["losses"]
   # On a mesh (training steps only: the evaluation's arguments are placed by its call), with the
-  # host micro-batch loop: the one-device host loop's losses up to the mesh's summation order.
-  assert len(runs[mesh_host]["losses"]) == len(runs["off@@host"]["losses"]) > 0
-  for got, want in zip(runs[mesh_host]["losses"], runs["off@@host"]["losses"]):
+  # host micro-batch loop: the one-device scan's losses up to the summation order.
+  assert len(runs[mesh_host]["losses"]) == len(runs["off@"]["losses"]) > 0
+  for got, want in zip(runs[mesh_host]["losses"], runs["off@"]["losses"]):
     assert abs(got - want) <= 1e-5 * abs(want)
   # Two stages: two training steps and two validation programs, compiled once each; the host
   # loop's prepare and micro-batch programs of two stages, and one update program (the same for
@@ -138,8 +139,7 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
   host_programs = ("jit_train_step_prepare", "jit_train_step_microbatch", "jit_train_step_update")
   for mode, programs, expect in (("on@", ("jit_train_step", "jit_loss_and_stats"), (0, 4)),
                                  ("off@", ("jit_train_step", "jit_loss_and_stats"), (0, 0)),
-                                 (mesh_host, host_programs, (0, 5)),
-                                 ("off@@host", host_programs, (5, 0))):
+                                 (mesh_host, host_programs, (0, 5))):
     events = [tuple(e) for e in runs[mode]["events"] if e[2] in programs]
     main_misses = [e for e in events if e[0] == "MainThread" and e[1] == "miss"]
     other = [e for e in events if e[0] != "MainThread" and e[1] == "miss"]

@@ -289,14 +289,14 @@ def test_qk_clip_shrinks_mla_query_key_weights_only_when_logits_exceed_tau():
 
 
 @pytest.mark.slow
-def test_training_losses_equal_on_the_expert_meshes(tmp_path):
-  """A few steps on meshes (data 2, expert 4) and (expert 8) give the single-device losses. The
-  data-only mesh is left to test_sharding (each mesh's loss and gradients): the loop places the
-  batch over the data axis on the hybrid mesh too."""
+def test_training_losses_equal_on_an_expert_mesh(tmp_path):
+  """A few steps on an (expert 8) mesh give the single-device losses. The (data 2, expert 4) mesh
+  trains in test_precompile (with the host micro-batch loop, against one device's losses); the
+  data-only mesh is left to test_sharding (each mesh's loss and gradients)."""
   extra = ("StagesConfig.tokens_per_step = 256", "EvalConfig.passkey_multipliers = ()",
            "ModelConfig.moe_num_experts = 8")
   losses = {}
-  for axes in ("", "data:2,expert:4", "expert:8"):
+  for axes in ("", "expert:8"):
     cfg = tiny_config(*extra, f"MeshConfig.axes = '{axes}'")
     workdir = str(tmp_path / (axes.replace(":", "").replace(",", "_") or "single"))
     train_lib.train(cfg, workdir, max_steps=3, progress=False, tensorboard=False)
