@@ -270,8 +270,8 @@ def test_runs_restore_across_the_decoder_layouts(tmp_path):
   from k3jax.model import K3Model, is_scanned_path, layer_plan
   # One stage: the last run's step and evaluation have the first run's shapes (the compilation
   # cache holds them); the layouts are the point here, not the stages. Three MLA layers, each its
-  # own AttnRes block: the smallest decoder with two scanned groups (KDA's layers would triple
-  # the compile time; test_model's converter tests have them).
+  # own AttnRes block: the smallest decoder with two scanned groups (the six-layer KDA/MLA one
+  # took twice as long; test_model's converter tests have KDA's layers).
   bindings = ["StagesConfig.stages = ((16, 4),)", "StagesConfig.tokens_per_step = 256",
               "ModelConfig.num_layers = 3", "ModelConfig.mla_every = 1",
               "ModelConfig.attnres_block_size = 1", "DataConfig.max_bytes = 200000",

@@ -100,7 +100,7 @@ def test_evaluate_workdir_matches_direct_evaluation(tmp_path):
   total, count = 0.0, 0.0
   for batch in data.validation_batches(16, 4, 2):
     logits = apply({"params": params, "moe_state": moe_state}, jnp.asarray(batch["inputs"]),
-                         jnp.asarray(batch["segment_ids"]))
+                   jnp.asarray(batch["segment_ids"]))
     ce = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.asarray(batch["targets"]))
     total += float(jnp.sum(ce * batch["loss_mask"]))
     count += float(np.sum(batch["loss_mask"]))

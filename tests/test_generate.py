@@ -17,8 +17,8 @@ GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
 
 
 def _variables(cfg) -> dict:
-  """K3Model(cfg)'s unboxed variables from PRNGKey(0), through one compiled program (an eager
-  `model.init` computes a forward pass op by op: ~5x slower on the CPU)."""
+  """K3Model(cfg)'s unboxed variables from PRNGKey(0), through one compiled program (eagerly,
+  every initialiser is compiled on its own: a six-layer tiny model took 14.8 s against 3.2 s)."""
   return nn.meta.unbox(jax.jit(lambda rng: init_variables(cfg, rng))(jax.random.PRNGKey(0)))
 
 
