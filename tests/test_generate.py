@@ -3,7 +3,6 @@
 import dataclasses
 import os
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -11,15 +10,10 @@ import pytest
 
 from k3jax import config as config_lib
 from k3jax.generate import decode_forward, generate, init_cache, sample_token
-from k3jax.model import K3Model, init_variables
+from k3jax.model import K3Model
+from testlib import tiny_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
-
-
-def _variables(cfg) -> dict:
-  """K3Model(cfg)'s unboxed variables from PRNGKey(0), through one compiled program (eagerly,
-  every initialiser is compiled on its own: a six-layer tiny model took 14.8 s against 3.2 s)."""
-  return nn.meta.unbox(jax.jit(lambda rng: init_variables(cfg, rng))(jax.random.PRNGKey(0)))
 
 
 def _full_forward(cfg, variables, tokens):
@@ -30,7 +24,7 @@ def _setup(T=21):
   cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
   cfg = dataclasses.replace(cfg, kda_chunk_size=16)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, T), 0, cfg.vocab_size)
-  return cfg, tokens, _variables(cfg)
+  return cfg, tokens, tiny_variables(cfg)
 
 
 def test_prefill_then_steps_equal_full_forward():
@@ -82,7 +76,7 @@ def test_decoding_the_scanned_decoder_equals_its_full_forward():
                             kda_head_dim=16, kda_value_dim=16, mla_kv_lora_rank=16,
                             mla_qk_nope_dim=16, mla_v_dim=16, dense_ffn_dim=32)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 11), 0, cfg.vocab_size)
-  variables = _variables(cfg)
+  variables = tiny_variables(cfg)
   # Non-zero DepthMix queries, so that the mixes over the stacked blocks are not uniform.
   variables = jax.tree_util.tree_map_with_path(
       lambda p, x: 0.5 * jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape))

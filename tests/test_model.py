@@ -1,7 +1,6 @@
 """The whole K3 decoder: parameter counts, AttnRes ≡ PreNorm at init, packing, causality, gradients."""
 
 import dataclasses
-import functools
 import os
 
 import flax.linen as nn
@@ -15,7 +14,7 @@ from k3jax import optim as optim_lib
 from k3jax.evaluate import moe_stats_by_layer
 from k3jax.model import K3Model, count_params, init_variables, layer_plan
 from k3jax.model import scanned_to_unrolled, to_layout, unrolled_to_scanned
-from testlib import error_ratio
+from testlib import error_ratio, tiny_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
 
@@ -26,13 +25,6 @@ def tiny_cfg(**overrides) -> config_lib.ModelConfig:
   cfg.validate()
   return cfg
 
-
-@functools.lru_cache(maxsize=None)
-def tiny_variables(cfg: config_lib.ModelConfig) -> dict:
-  """Unboxed variables of K3Model(cfg) from PRNGKey(0), compiled once per config (the values of
-  `model.init`, test_init_variables_equals_model_init; they do not depend on the token shape)."""
-  init = jax.jit(init_variables, static_argnums=(0, 2, 3))
-  return nn.meta.unbox(init(cfg, jax.random.PRNGKey(0), 1, 8))
 
 
 def test_published_parameter_counts():
