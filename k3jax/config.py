@@ -34,6 +34,7 @@ BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
 CONV_BACKWARDS = ("xla", "pallas")
 SITU_GLU_KERNELS = ("auto", "xla", "pallas")
+ATTNRES_KERNELS = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
 PRECOMPILE_MODES = ("auto", "on", "off")
@@ -122,6 +123,8 @@ class ModelConfig:
   # Block Attention Residuals
   attnres: bool = True
   attnres_block_size: int = 2     # layers per block
+  # DepthMix: 'xla' | 'pallas' (pallas_kernels/depth_mix) | 'auto' (pallas on a GPU, else xla)
+  attnres_kernel: str = "auto"
 
   # Activation memory: what the backward pass of each decoder layer keeps from its forward.
   #   'none': everything autodiff saves; 'full': only the layer's inputs (the layer's forward runs
@@ -168,6 +171,8 @@ class ModelConfig:
            f"one of {CONV_BACKWARDS}", self.kda_conv_backward)
     _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
            f"one of {ATTENTION_IMPLS}", self.attention_impl)
+    _check(self.attnres_kernel in ATTNRES_KERNELS, p + "attnres_kernel",
+           f"one of {ATTNRES_KERNELS}", self.attnres_kernel)
     _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
     _check(isinstance(self.scan_layers, bool), p + "scan_layers", "True or False",
            self.scan_layers)

@@ -39,6 +39,10 @@ Memory: `depth_mix` carries a hand-written VJP whose residuals are the sources t
 anyway, in their own dtype) plus the [S, B, T] fp32 weights α and RMS scales r. Plain autodiff of
 the stacked formulation would instead save fp32 [S, B, T, d] copies of the values and keys at every
 mix, which dominated the training step's memory peak.
+
+Kernels (ModelConfig.attnres_kernel, `depth_mix_kernel`): 'xla' runs that VJP as XLA's fusions,
+which read each source from HBM about twice per direction; 'pallas' runs the same math as one
+Pallas kernel forward and one backward (pallas_kernels/depth_mix) that read each source once.
 """
 
 from __future__ import annotations
@@ -50,8 +54,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import ModelConfig
+from k3jax import sharding
+from k3jax.config import ATTNRES_KERNELS, ModelConfig
 from k3jax.layers import common
+from pallas_kernels.depth_mix import DepthMixConfig, depth_mix_fused
 
 
 def attnres_block_boundaries(num_layers: int, block_size: int) -> tuple[int, ...]:
@@ -157,8 +163,38 @@ def _depth_mix(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps
 _depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
 
+def depth_mix_kernel(kind: str = "auto") -> str:
+  """The depth mix's implementation for ModelConfig.attnres_kernel: 'xla' (the custom VJP below,
+  XLA's fusions) or 'pallas' (`pallas_kernels.depth_mix.depth_mix_fused`: one kernel forward and
+  one backward; interpreted on CPU). 'auto': 'pallas' on a GPU, 'xla' elsewhere."""
+  if kind not in ATTNRES_KERNELS:
+    raise ValueError(f"ModelConfig.attnres_kernel = {kind!r}: expected one of {ATTNRES_KERNELS}")
+  if kind == "auto":
+    return "pallas" if jax.default_backend() == "gpu" else "xla"
+  return kind
+
+
+def _pallas_depth_mix(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps: float
+                      ) -> jax.Array:
+  config = DepthMixConfig(interpret=jax.default_backend() == "cpu")
+  if sources[0].ndim < 2:   # one row: no batch axis to split
+    return depth_mix_fused(sources, query, valid, eps, config)
+  # The kernels are opaque to XLA's partitioner (under a mesh it would gather every row onto every
+  # device): each device mixes its own rows. The query and the mask travel with a batch axis (each
+  # device's rows take row 0) so that they enter the shard_map as inputs, not closures; the query's
+  # gradient is then the sum of the devices' through the broadcast's transpose.
+  batch = sources[0].shape[0]
+  query_rows = jnp.broadcast_to(query, (batch,) + query.shape)
+  valid_rows = None if valid is None else jnp.broadcast_to(valid, (batch,) + valid.shape)
+
+  def local(query_rows, valid_rows, *sources):
+    return depth_mix_fused(sources, query_rows[0], None if valid_rows is None else valid_rows[0],
+                           eps, config)
+  return sharding.map_over_batch_shards(local, query_rows, valid_rows, *sources)
+
+
 def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[jax.Array],
-              eps: float) -> jax.Array:
+              eps: float, kernel: str = "xla") -> jax.Array:
   """h = Σ_i softmax_i(<RMSNorm(s_i), q>) s_i, in fp32, with a memory-lean hand-written VJP.
 
   Args:
@@ -167,6 +203,8 @@ def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[ja
     valid: None, or [len(sources)] bool: False leaves a source out of the softmax (logit −inf).
       At least one source must be valid (else h is NaN, as softmax over nothing).
     eps: RMSNorm epsilon, inside the square root (k3jax.layers.common.rms_norm).
+    kernel: 'xla', 'pallas' or 'auto' (`depth_mix_kernel`): the same math and dtypes, and
+      residuals of the same size.
   Returns:
     h [B, T, d] in the sources' dtype. Gradients: sources in their dtype, query in its dtype;
     valid gets none. The backward keeps only the sources, α and r ([S, B, T] fp32) from the forward.
@@ -175,6 +213,8 @@ def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[ja
   if query.shape != (sources[0].shape[-1],):
     raise ValueError(f"depth_mix: query must have shape [{sources[0].shape[-1]}] (the sources' "
                      f"width), got {query.shape}")
+  if depth_mix_kernel(kernel) == "pallas":
+    return _pallas_depth_mix(tuple(sources), query, valid, float(eps))
   return _depth_mix(tuple(sources), query, valid, float(eps))
 
 
@@ -182,7 +222,7 @@ class DepthMix(nn.Module):
   """h = Σ_i softmax_i(w · RMSNorm(s_i)) s_i over a list of same-shaped sources.
 
   Attributes:
-    config: model config (d_model via the sources' width, norm_eps, param_dtype).
+    config: model config (d_model via the sources' width, norm_eps, param_dtype, attnres_kernel).
   Parameter: 'query' [d] ('norm',), initialised to zero.
   Call: sources, a non-empty sequence of [B, T, d] arrays of one dtype → h [B, T, d] in that dtype;
   valid (optional), [len(sources)] bool: False leaves a source out of the softmax (the decoder's
@@ -197,4 +237,5 @@ class DepthMix(nn.Module):
     _check_sources(sources, valid, "DepthMix")
     query = common.logical_param(self, "query", (sources[0].shape[-1],), ("norm",),
                                  nn.initializers.zeros, common.to_dtype(self.config.param_dtype))
-    return depth_mix(sources, query, valid, self.config.norm_eps)
+    return depth_mix(sources, query, valid, self.config.norm_eps,
+                     kernel=depth_mix_kernel(self.config.attnres_kernel))
