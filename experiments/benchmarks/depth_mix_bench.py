@@ -160,9 +160,9 @@ def main():
   p.add_argument("--seq", type=int, default=8192)
   p.add_argument("--width", "--d", dest="width", type=int, default=768,
                  help="d: 768 (small.gin), 1536 (medium.gin)")
-  p.add_argument("--sources", type=lambda text: [int(x) for x in text.split(",")],
-                 default=[2, 5, 9], help="comma-separated numbers of sources S")
   ints = lambda text: [int(x) for x in text.split(",")]
+  p.add_argument("--sources", type=ints, default=[2, 5, 9],
+                 help="comma-separated numbers of sources S")
   p.add_argument("--sweep_block_rows", type=ints, default=[],
                  help="comma-separated DepthMixConfig.block_rows to time (pallas_r* variants)")
   p.add_argument("--sweep_warps", type=ints, default=[],

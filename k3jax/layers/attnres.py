@@ -238,4 +238,4 @@ class DepthMix(nn.Module):
     query = common.logical_param(self, "query", (sources[0].shape[-1],), ("norm",),
                                  nn.initializers.zeros, common.to_dtype(self.config.param_dtype))
     return depth_mix(sources, query, valid, self.config.norm_eps,
-                     kernel=depth_mix_kernel(self.config.attnres_kernel))
+                     kernel=self.config.attnres_kernel)
