@@ -14,7 +14,8 @@ from k3jax.config import ModelConfig
 from k3jax.evaluate import token_cross_entropy
 from k3jax.data.packing import make_batch
 from k3jax.loss import chunked_cross_entropy, chunked_loss_by_position, document_positions
-from k3jax.model import K3Model, init_variables
+from k3jax.model import K3Model
+from testlib import tiny_variables
 
 
 def _inputs(seed=0, b=2, t=11, d=8, v=13):
@@ -80,7 +81,7 @@ def test_model_return_hidden_gives_the_logits():
                             dense_ffn_dim=16, moe_num_experts=4, moe_latent_dim=8,
                             moe_expert_dim=8, moe_shared_dim=8, attnres_block_size=1)
   tokens = jnp.asarray(np.random.default_rng(1).integers(0, 19, size=(2, 16)), jnp.int32)
-  variables = jax.jit(lambda: init_variables(cfg, jax.random.key(0, impl="rbg"), 2, 16))()
+  variables = tiny_variables(cfg)
   apply = jax.jit(K3Model(cfg).apply, static_argnames="return_hidden")
   logits = apply(variables, tokens)
   h, head = apply(variables, tokens, return_hidden=True)
