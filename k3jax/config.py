@@ -32,9 +32,8 @@ def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
 DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
-CONV_BACKWARDS = ("xla", "pallas")
-SITU_GLU_KERNELS = ("auto", "xla", "pallas")
-ATTNRES_KERNELS = ("auto", "xla", "pallas")
+# The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward): k3jax.ops.kernel_choice.
+KERNEL_CHOICES = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
 PRECOMPILE_MODES = ("auto", "on", "off")
@@ -68,11 +67,10 @@ class ModelConfig:
   kda_gate_lower_bound: Optional[float] = -5.0   # None: the unbounded softplus gate (ablation)
   kda_chunk_size: int = 64
   kda_backend: str = "auto"       # auto | xla | pallas
-  # The short convs' backward: 'xla' (fused XLA ops) or 'pallas' (one Pallas kernel,
-  # pallas_kernels/short_conv; interpreted on CPU). 'pallas' is slower on an H200 (RESULTS.md
-  # run 17: 0.38-4.9 ms across tiles against XLA's 0.29 ms at small.gin's shape; +10 ms on its
-  # step), and not split over a batch-sharded mesh (XLA would gather the batch onto each device).
-  kda_conv_backward: str = "xla"
+  # The short convs' backward: 'xla' (fused XLA ops), 'pallas' (two Pallas kernels,
+  # pallas_kernels/short_conv; interpreted on CPU; under a mesh each device runs them on its own
+  # rows) or 'auto' (pallas on a GPU, else xla; k3jax.ops.kernel_choice). RESULTS.md run 23.
+  kda_conv_backward: str = "auto"
 
   # Gated MLA
   mla_num_heads: int = 2
@@ -113,8 +111,8 @@ class ModelConfig:
   # (Mosaic GPU kernels for bf16/f16 on compute capability 9.x, else 'tiled') on GPU, 'tiled'
   # on CPU (XLA:CPU's dense ragged_dot under tokamax is 2x slower), ragged_dot on TPU.
   moe_grouped_matmul: str = "auto"
-  # The routed experts' SiTU-GLU activation: 'auto' | 'xla' | 'pallas' (k3jax.ops.moe.
-  # situ_glu_kernel). 'pallas': one Pallas kernel forward, one backward
+  # The routed experts' SiTU-GLU activation: 'auto' | 'xla' | 'pallas' (k3jax.ops.
+  # kernel_choice). 'pallas': one Pallas kernel forward, one backward
   # (pallas_kernels/situ_glu), in the Pallas interpreter on CPU (not inside the expert-parallel
   # shard_map there); auto: 'pallas' on a GPU (one H200: small.gin's step -6.6 %, medium.gin's
   # -8.5 %, RESULTS.md run 17), 'xla' elsewhere.
@@ -167,12 +165,12 @@ class ModelConfig:
     _check(self.param_dtype in DTYPES, p + "param_dtype", f"one of {DTYPES}", self.param_dtype)
     _check(self.kda_backend in KDA_BACKENDS, p + "kda_backend", f"one of {KDA_BACKENDS}",
            self.kda_backend)
-    _check(self.kda_conv_backward in CONV_BACKWARDS, p + "kda_conv_backward",
-           f"one of {CONV_BACKWARDS}", self.kda_conv_backward)
+    _check(self.kda_conv_backward in KERNEL_CHOICES, p + "kda_conv_backward",
+           f"one of {KERNEL_CHOICES}", self.kda_conv_backward)
     _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
            f"one of {ATTENTION_IMPLS}", self.attention_impl)
-    _check(self.attnres_kernel in ATTNRES_KERNELS, p + "attnres_kernel",
-           f"one of {ATTNRES_KERNELS}", self.attnres_kernel)
+    _check(self.attnres_kernel in KERNEL_CHOICES, p + "attnres_kernel",
+           f"one of {KERNEL_CHOICES}", self.attnres_kernel)
     _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
     _check(isinstance(self.scan_layers, bool), p + "scan_layers", "True or False",
            self.scan_layers)
@@ -208,8 +206,8 @@ class ModelConfig:
       _check(self.moe_grouped_matmul in ("auto", "tokamax", "ragged_dot", "tiled"),
              p + "moe_grouped_matmul", "'auto', 'tokamax', 'ragged_dot' or 'tiled'",
              self.moe_grouped_matmul)
-      _check(self.moe_situ_glu in SITU_GLU_KERNELS, p + "moe_situ_glu",
-             f"one of {SITU_GLU_KERNELS}", self.moe_situ_glu)
+      _check(self.moe_situ_glu in KERNEL_CHOICES, p + "moe_situ_glu",
+             f"one of {KERNEL_CHOICES}", self.moe_situ_glu)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
       _check(self.position_chunk_tokens == 0 or self.moe_capacity_factor == 0.0,

@@ -8,8 +8,8 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
 
   vjp                k3jax's conv_silu: dy materialised in fp32, dx from shifted copies of it, one
                      reduction per tap for the kernel gradient.
-  pallas_bwd         conv_silu(..., backward='pallas'): the same forward, the backward as one Pallas
-                     kernel (pallas_kernels/short_conv; ModelConfig.kda_conv_backward = 'pallas').
+  pallas_bwd         conv_silu(..., backward='pallas'): the same forward, the backward as two Pallas
+                     kernels (pallas_kernels/short_conv; ModelConfig.kda_conv_backward = 'pallas').
   shifted_recompute  tried in session 16 and not adopted (1.7-1.8x slower on an H200, RESULTS.md
                      run 16): each of dx's W terms recomputes y and dy at its shift from the inputs,
                      so that nothing [B, T, C] is materialised; XLA's fused kernel is then bound by
@@ -17,8 +17,8 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
   autodiff           jax.grad of causal_conv1d then silu (what the layer ran before its VJP).
 
 Run (one GPU): PYTHONPATH=. python experiments/benchmarks/conv_bench.py;  --smoke: tiny, on CPU.
---sweep=32:128:4:1,128:64:4:1,...: the backward alone, XLA's against the Pallas kernel at each
-block_t:block_c:num_warps:num_stages.
+--sweep=32:128:8:4:1,64:128:4:4:1,...: the backward alone, XLA's against the Pallas kernels at
+each block_t:block_c:tiles_per_program:num_warps:num_stages.
 """
 from __future__ import annotations
 
@@ -128,19 +128,20 @@ def time_ms(fn, args, reps: int, batches: int = 5) -> float:
 
 def sweep_backward(x, kernel, seg, dout, configs: str, reps: int):
   """Times the backward alone (given x, the kernel, segment ids and dout): XLA's (`conv_silu`'s
-  default), the pads the Pallas kernel's wrapper adds, and the kernel at each config."""
+  default), the pad the Pallas kernels' wrapper adds (W-1 rows before x), and the kernels at each
+  config."""
   b, t, c = x.shape
   xla = jax.jit(lambda x, k, s, d: conv._conv_silu_bwd(jnp.bfloat16, (x, k, s), d)[:2])
   ref = xla(x, kernel, seg, dout)
   rows = [("xla", None, xla)]
   halo = kernel.shape[0] - 1
-  pads = jax.jit(lambda x, d: (jnp.pad(x, ((0, 0), (halo, halo), (0, 0))),
-                               jnp.pad(d, ((0, 0), (0, halo), (0, 0)))))
+  pads = jax.jit(lambda x: jnp.pad(x, ((0, 0), (halo, 0), (0, 0))))
   print(json.dumps(dict(kind="sweep", what="pads_only", B=b, T=t, C=c,
-                        ms=round(time_ms(pads, (x, dout), reps), 4))), flush=True)
+                        ms=round(time_ms(pads, (x,), reps), 4))), flush=True)
   for text in configs.split(","):
-    bt, bc, warps, stages = (int(v) for v in text.split(":"))
-    cfg = short_conv.ConvConfig(block_t=bt, block_c=bc, launch=(warps, stages),
+    bt, bc, tiles, warps, stages = (int(v) for v in text.split(":"))
+    cfg = short_conv.ConvConfig(block_t=bt, block_c=bc, tiles_per_program=tiles,
+                                launch=(warps, stages),
                                 interpret=jax.default_backend() == "cpu")
     rows.append((text, cfg, jax.jit(functools.partial(short_conv.conv_silu_bwd, config=cfg))))
   for name, cfg, fn in rows:
@@ -162,8 +163,9 @@ def main():
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--smoke", action="store_true", help="2 x 64 x 16 on CPU, 2 reps")
   p.add_argument("--sweep", default="",
-                 help="backward alone: XLA's against the Pallas kernel at each block_t:block_c:"
-                      "num_warps:num_stages of this comma list (skips the variants above)")
+                 help="backward alone: XLA's against the Pallas kernels at each block_t:block_c:"
+                      "tiles_per_program:num_warps:num_stages of this comma list (skips the "
+                      "variants above)")
   args = p.parse_args()
   if args.smoke:
     args.shapes, args.reps = "2x64x16", 2

@@ -55,8 +55,9 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import sharding
-from k3jax.config import ATTNRES_KERNELS, ModelConfig
+from k3jax.config import ModelConfig
 from k3jax.layers import common
+from k3jax.ops.kernel_choice import pallas_or_xla
 from pallas_kernels.depth_mix import DepthMixConfig, depth_mix_fused
 
 
@@ -163,17 +164,6 @@ def _depth_mix(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps
 _depth_mix.defvjp(_depth_mix_fwd, _depth_mix_bwd)
 
 
-def depth_mix_kernel(kind: str = "auto") -> str:
-  """The depth mix's implementation for ModelConfig.attnres_kernel: 'xla' (the custom VJP below,
-  XLA's fusions) or 'pallas' (`pallas_kernels.depth_mix.depth_mix_fused`: one kernel forward and
-  one backward; interpreted on CPU). 'auto': 'pallas' on a GPU, 'xla' elsewhere."""
-  if kind not in ATTNRES_KERNELS:
-    raise ValueError(f"ModelConfig.attnres_kernel = {kind!r}: expected one of {ATTNRES_KERNELS}")
-  if kind == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-  return kind
-
-
 def _pallas_depth_mix(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps: float
                       ) -> jax.Array:
   config = DepthMixConfig(interpret=jax.default_backend() == "cpu")
@@ -203,8 +193,10 @@ def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[ja
     valid: None, or [len(sources)] bool: False leaves a source out of the softmax (logit −inf).
       At least one source must be valid (else h is NaN, as softmax over nothing).
     eps: RMSNorm epsilon, inside the square root (k3jax.layers.common.rms_norm).
-    kernel: 'xla', 'pallas' or 'auto' (`depth_mix_kernel`): the same math and dtypes, and
-      residuals of the same size.
+    kernel: 'xla' (the custom VJP above, XLA's fusions), 'pallas' (`pallas_kernels.depth_mix.
+      depth_mix_fused`: one kernel forward and one backward; interpreted on CPU) or 'auto'
+      (`k3jax.ops.kernel_choice.pallas_or_xla`): the same math and dtypes, and residuals of the
+      same size.
   Returns:
     h [B, T, d] in the sources' dtype. Gradients: sources in their dtype, query in its dtype;
     valid gets none. The backward keeps only the sources, α and r ([S, B, T] fp32) from the forward.
@@ -213,7 +205,7 @@ def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[ja
   if query.shape != (sources[0].shape[-1],):
     raise ValueError(f"depth_mix: query must have shape [{sources[0].shape[-1]}] (the sources' "
                      f"width), got {query.shape}")
-  if depth_mix_kernel(kernel) == "pallas":
+  if pallas_or_xla(kernel, "ModelConfig.attnres_kernel") == "pallas":
     return _pallas_depth_mix(tuple(sources), query, valid, float(eps))
   return _depth_mix(tuple(sources), query, valid, float(eps))
 

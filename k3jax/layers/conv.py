@@ -22,7 +22,9 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from k3jax import sharding
 from k3jax.layers.common import logical_param
+from k3jax.ops.kernel_choice import pallas_or_xla
 from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd
 
 
@@ -149,12 +151,24 @@ _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
 def _conv_silu_pallas_bwd(out_dtype, residuals, dout):
-  """`_conv_silu_bwd`'s math as one Pallas kernel (pallas_kernels/short_conv), interpreted on CPU."""
+  """`_conv_silu_bwd`'s math as two Pallas kernels (pallas_kernels/short_conv), interpreted on CPU.
+
+  Under a mesh that shards the batch, each device runs the kernels on its own rows
+  (`sharding.map_over_batch_shards`; XLA would otherwise gather the batch onto every device) and
+  the kernel's gradient is the sum of the devices' partial sums."""
   del out_dtype
   x, kernel, segment_ids = residuals
   config = ConvConfig(interpret=jax.default_backend() == "cpu")
-  dx, dkernel = conv_silu_bwd(x, kernel, segment_ids, dout, config)
-  return dx, dkernel, None
+  # The kernel travels with a batch axis (each device's rows take row 0): an input of the
+  # shard_map, not a closure.
+  kernel_rows = jnp.broadcast_to(kernel, (x.shape[0],) + kernel.shape)
+
+  def local(x, kernel_rows, segment_ids, dout):
+    dx, dkernel = conv_silu_bwd(x, kernel_rows[0], segment_ids, dout, config)
+    return dx, dkernel.astype(jnp.float32)[None]      # [1, W, C]: this device's partial sum
+
+  dx, dkernel_parts = sharding.map_over_batch_shards(local, x, kernel_rows, segment_ids, dout)
+  return dx, jnp.sum(dkernel_parts, axis=0).astype(kernel.dtype), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -170,8 +184,9 @@ def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
               out_dtype, backward: str = "xla") -> jax.Array:
   """silu(causal_conv1d(x, kernel, segment_ids)) in `out_dtype`, for training (no state).
 
-  backward: 'xla' (`_conv_silu_bwd`) or 'pallas' (the same math in one Pallas kernel,
-  `pallas_kernels.short_conv.conv_silu_bwd`); the forward is the same XLA computation.
+  backward: 'xla' (`_conv_silu_bwd`), 'pallas' (the same math in two Pallas kernels,
+  `pallas_kernels.short_conv.conv_silu_bwd`) or 'auto' (`k3jax.ops.kernel_choice.pallas_or_xla`:
+  'pallas' on a GPU); the forward is the same XLA computation.
 
   x [B, T, C]; kernel [W, C]; segment_ids [B, T] int or None. The same values as the two-step
   computation (fp32 math), with a hand-written VJP that keeps only x (in its dtype), the kernel
@@ -185,8 +200,7 @@ def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
   if segment_ids is not None and segment_ids.shape != x.shape[:2]:
     raise ValueError(f"conv_silu: segment_ids must be [B, T] = {x.shape[:2]}, got "
                      f"{segment_ids.shape}")
-  if backward not in BACKWARDS:
-    raise ValueError(f"conv_silu: backward must be one of {tuple(BACKWARDS)}, got {backward!r}")
+  backward = pallas_or_xla(backward, "ModelConfig.kda_conv_backward")
   return BACKWARDS[backward](x, kernel, segment_ids, jnp.dtype(out_dtype))
 
 
@@ -197,7 +211,7 @@ class ShortConv(nn.Module):
     width: kernel size W (>= 1).
     channel_axis: logical axis name of the channel dim of the kernel (kernel axes ('conv', this)).
     dtype: output dtype. param_dtype: kernel dtype.
-    backward: `conv_silu`'s backward, 'xla' or 'pallas'.
+    backward: `conv_silu`'s backward, 'xla', 'pallas' or 'auto'.
   Call: x [B, T, C], segment_ids [B, T] int or None, decode -> [B, T, C] in `dtype`.
   """
   width: int = 4

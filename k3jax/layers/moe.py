@@ -29,7 +29,8 @@ from k3jax.config import ModelConfig
 from k3jax.layers import common
 from k3jax.layers.ffn import Kernel, SiTUGLUWeights, situ_glu_ffn
 from k3jax.ops.chunking import map_position_chunks
-from k3jax.ops.moe import default_ragged_dot, qb_margins, situ_glu_kernel
+from k3jax.ops.kernel_choice import pallas_or_xla
+from k3jax.ops.moe import default_ragged_dot, qb_margins
 from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
 
 
@@ -337,7 +338,7 @@ class LatentMoE(nn.Module):
     if cfg.moe_num_shared > 0:
       shared = SiTUGLUWeights(cfg, cfg.moe_num_shared * cfg.moe_shared_dim, name="shared")(width)
     ragged_dot_fn = default_ragged_dot(cfg.moe_grouped_matmul)
-    activation = situ_glu_kernel(cfg.moe_situ_glu)
+    activation = pallas_or_xla(cfg.moe_situ_glu, "ModelConfig.moe_situ_glu")
 
     def routed_and_shared(x_c, valid_c, idx_c, weight_c):
       """[b, c, d] positions with their [b, c] validity and [b, c, k] routing -> ([b, c, d] in

@@ -40,7 +40,6 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import SITU_GLU_KERNELS
 from k3jax.ops.moe_rows import (_common_varying, gather_rows, permute_rows,  # noqa: F401
                                 sort_with_inverse, sorted_group_sizes, weighted_combine,
                                 zero_rows)
@@ -421,17 +420,6 @@ def _check_shapes(z, expert_idx, expert_weight, w_gate, w_up, w_out, valid) -> N
     raise ValueError(f"routed_experts: valid must be [N={n}] bool, got shape {valid.shape}")
 
 
-def situ_glu_kernel(kind: str = "auto") -> str:
-  """The routed experts' activation for ModelConfig.moe_situ_glu: 'xla' (`situ_glu`, XLA's
-  fusions) or 'pallas' (`pallas_kernels.situ_glu.situ_glu_fused`: one kernel forward and one
-  backward; interpreted on CPU). 'auto': 'pallas' on a GPU, 'xla' elsewhere."""
-  if kind not in SITU_GLU_KERNELS:
-    raise ValueError(f"ModelConfig.moe_situ_glu = {kind!r}: expected one of {SITU_GLU_KERNELS}")
-  if kind == "auto":
-    return "pallas" if jax.default_backend() == "gpu" else "xla"
-  return kind
-
-
 def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array,
                      group_sizes: jax.Array, in_group: jax.Array, *, beta1: float, beta2: float,
                      ragged_dot_fn: RaggedDotFn, activation: str = "xla") -> jax.Array:
@@ -442,7 +430,8 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   w_out [E, f, ℓ] (already in x.dtype); group_sizes [E]; in_group [M] bool, False for the rows
   past the last group. Returns [M, ℓ] in x.dtype (accumulated in fp32 inside the matmul), zero on
   rows outside the groups (which ragged_dot leaves undefined on some backends).
-  activation: 'xla' or 'pallas' (`situ_glu_kernel`): the same math.
+  activation: 'xla' (`situ_glu`, XLA's fusions) or 'pallas' (`pallas_kernels.situ_glu.
+    situ_glu_fused`: one kernel forward and one backward; interpreted on CPU): the same math.
   """
   # gate and up leave the matmul in x.dtype (fp32 accumulation inside), as in the dense SiTU-GLU:
   # situ_glu's backward then keeps two bf16 [M, f] arrays, not fp32 ones. They are one grouped
@@ -508,7 +497,7 @@ def routed_experts(
     valid: optional [N] bool; False rows (padding) are not routed, not computed and not counted.
     ragged_dot_fn: grouped matmul with `jax.lax.ragged_dot`'s signature (a hook for a faster GPU
       kernel); used only in dropless mode.
-    activation: the dropless experts' SiTU-GLU, 'xla' or 'pallas' (`situ_glu_kernel`).
+    activation: the dropless experts' SiTU-GLU, 'xla' or 'pallas' (`grouped_situ_glu`).
   Returns:
     y: [N, ℓ] in z.dtype (combine done in fp32).
     stats: {'load': [E] fp32, assignments routed to each expert (valid tokens, before any drop);

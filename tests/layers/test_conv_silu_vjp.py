@@ -7,6 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from k3jax import sharding
 from k3jax.layers.conv import causal_conv1d, conv_silu
 
 
@@ -74,9 +77,30 @@ def test_backward_keeps_only_the_bf16_input():
 
 def test_bad_shapes_and_backward_raise():
   x, kernel, _ = _inputs(jnp.float32)
-  with pytest.raises(ValueError, match="backward must be one of"):
+  with pytest.raises(ValueError, match=r"ModelConfig\.kda_conv_backward = 'triton': expected one of"):
     conv_silu(x, kernel, None, jnp.float32, "triton")
   with pytest.raises(ValueError, match="kernel"):
     conv_silu(x, kernel[:, :3], None, jnp.float32)
   with pytest.raises(ValueError, match="segment_ids"):
     conv_silu(x, kernel, SEG[:, :5], jnp.float32)
+
+
+def test_pallas_backward_under_a_batch_mesh_equals_one_device():
+  """backward='pallas' under a mesh sharding the batch: each device runs the kernels on its own
+  rows and the kernel's gradient is the sum of the devices' parts; the values of the XLA VJP on
+  one device."""
+  x, kernel, _ = _inputs(jnp.float32, shape=(8, 12, 6))
+  seg = jnp.tile(SEG, (4, 1))
+  cot = jax.random.normal(jax.random.PRNGKey(5), x.shape)
+
+  def grads(backward):
+    loss = lambda x, k: jnp.sum(conv_silu(x, k, seg, jnp.float32, backward) * cot)
+    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+  want = grads("xla")(x, kernel)
+  mesh = sharding.make_mesh("data:2,expert:4")
+  rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
+  with sharding.with_mesh(mesh):
+    got = grads("pallas")(jax.device_put(x, rows), kernel)
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

@@ -11,10 +11,11 @@ from k3jax.layers.conv import causal_conv1d
 from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd
 
 # Documents of 3, 4, 2 tokens, padding, a document of 5; a row of two documents; 14 tokens, so the
-# 4-token tiles below leave a partial last tile and documents cross tile edges.
+# 4-token tiles below (two a program in the first kernel) leave a partial last tile and program,
+# and documents cross tile and program edges.
 SEG = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0, 0, 4, 4],
                 [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]], np.int32)
-SMALL_TILES = ConvConfig(block_t=4, block_c=8, interpret=True)
+SMALL_TILES = ConvConfig(block_t=4, block_c=8, tiles_per_program=2, interpret=True)
 
 
 def naive_bwd(x, kernel, seg, dout):
