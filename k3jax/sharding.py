@@ -39,6 +39,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -316,8 +317,9 @@ def shard_train_state(state: Any, abstract_variables: Any, mesh: Mesh,
   return jax.device_put(state, shardings), shardings
 
 
-def map_over_batch_shards(fn, *arrays):
-  """`fn(*arrays)`, computed by each device on its own rows when the current mesh shards the batch.
+def map_over_batch_shards(fn, *arrays, shared: Sequence = ()):
+  """`fn(*shared, *arrays)`, computed by each device on its own rows when the current mesh shards
+  the batch.
 
   For ops that XLA's SPMD partitioner cannot split: a Pallas kernel is an opaque custom call, and
   with a sharded batch XLA would gather the whole batch onto every device and run the kernel on
@@ -326,35 +328,44 @@ def map_over_batch_shards(fn, *arrays):
 
   arrays: arrays with the batch on axis 0 (None entries are passed through as None); fn must
     treat rows independently and return a pytree of arrays (or None) with the batch on axis 0.
-  Without a current mesh, or when its batch axes all have size 1, this is plain `fn(*arrays)`.
+  shared: arrays without a batch axis, the same for every row (a kernel's parameters; None
+    entries pass through). Each device gets its own copy as an input of the shard_map (not a
+    closure), so that under autodiff their gradient is the sum of the devices' (the copies'
+    broadcast transposes to that sum).
+  Without a current mesh, or when its batch axes all have size 1, this is plain
+  `fn(*shared, *arrays)`.
 
   Raises:
     ValueError: an array's batch size is not divisible by the batch axes' total size.
   """
   mesh = jax.sharding.get_abstract_mesh()
+  shared = tuple(shared)
   if mesh.empty:
-    return fn(*arrays)
+    return fn(*shared, *arrays)
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
   axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
   if not axes:
-    return fn(*arrays)
+    return fn(*shared, *arrays)
   n = math.prod(sizes[a] for a in axes)
-  present = [i for i, x in enumerate(arrays) if x is not None]
-  for i in present:
-    if arrays[i].shape[0] % n:
+  for i, x in enumerate(arrays):
+    if x is not None and x.shape[0] % n:
       raise ValueError(f"map_over_batch_shards: argument {i} has batch size "
-                       f"{arrays[i].shape[0]}, not divisible by the mesh's batch axes {axes} "
+                       f"{x.shape[0]}, not divisible by the mesh's batch axes {axes} "
                        f"(total size {n})")
+  inputs = [None if x is None else jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x in shared]
+  inputs += list(arrays)
+  present = [i for i, x in enumerate(inputs) if x is not None]
 
   def local(*shards):
-    full = list(arrays)
+    full = list(inputs)
     for i, shard in zip(present, shards):
       full[i] = shard
+    full[:len(shared)] = [None if x is None else x[0] for x in full[:len(shared)]]
     return fn(*full)
 
   spec = P(axes)
   return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(present), out_specs=spec,
-                       check_vma=False)(*[arrays[i] for i in present])
+                       check_vma=False)(*[inputs[i] for i in present])
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:

@@ -277,9 +277,10 @@ def _check_against_reference(model, variables, batch, reference, spec, monkeypat
 
 
 def test_pallas_kda_runs_per_batch_shard_under_a_mesh(monkeypatch):
-  """Under a data:2,expert:4 mesh the Pallas KDA kernel (interpret mode here) sees each device's
-  rows only, and the sharded output, final state and gradients equal the XLA path's without a
-  mesh (fp32, error ratio <= 1e-5)."""
+  """Under a data:2,expert:4 mesh the Pallas KDA kernel (interpret mode here, with the fused gate)
+  sees each device's rows only, and the sharded output, final state and gradients (the gate's
+  shared parameters' summed over devices) equal the XLA path's without a mesh (fp32, error ratio
+  <= 1e-5)."""
   from k3jax.ops import kda as kda_ops
   seen = []
   real_load = kda_ops._load_pallas_chunk_kda
@@ -290,33 +291,56 @@ def test_pallas_kda_runs_per_batch_shard_under_a_mesh(monkeypatch):
   monkeypatch.setattr(kda_ops, "_load_pallas_chunk_kda", recording_load)
 
   b, t, h, dk = 8, 32, 2, 16
-  keys = jax.random.split(jax.random.PRNGKey(3), 5)
+  keys = jax.random.split(jax.random.PRNGKey(3), 7)
   q, k, v = (jax.random.normal(keys[i], (b, t, h, dk), jnp.float32) for i in range(3))
-  g = kda_ops.kda_gate(jax.random.normal(keys[3], (b, t, h, dk)), jnp.zeros((h,)),
-                       jnp.zeros((h * dk,)), lower_bound=-5.0)
+  x = jax.random.normal(keys[3], (b, t, h, dk))           # the gate's pre-activation
   beta = jax.nn.sigmoid(jax.random.normal(keys[4], (b, t, h)))
+  a_log = 0.3 * jax.random.normal(keys[5], (h,))
+  dt_bias = 0.1 * jax.random.normal(keys[6], (h * dk,))
   seg = jnp.asarray(_batch()["segment_ids"])
 
-  def loss(backend, q, k, v, g, beta):
-    o, state = kda_ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=seg,
-                                 output_final_state=True, chunk_size=16, backend=backend)
+  def loss(backend, q, k, v, x, beta, a_log, dt_bias):
+    o, state = kda_ops.chunk_kda(q, k, v, x, beta, use_qk_l2norm=True, segment_ids=seg,
+                                 output_final_state=True, chunk_size=16, backend=backend,
+                                 A_log=a_log, dt_bias=dt_bias, lower_bound=-5.0)
     return jnp.sum(o * o) + jnp.sum(state), (o, state)
 
-  grad = lambda backend: jax.value_and_grad(functools.partial(loss, backend), argnums=range(5),
+  grad = lambda backend: jax.value_and_grad(functools.partial(loss, backend), argnums=range(7),
                                             has_aux=True)
-  (_, (o_ref, s_ref)), grads_ref = jax.jit(grad("xla"))(q, k, v, g, beta)
+  (_, (o_ref, s_ref)), grads_ref = jax.jit(grad("xla"))(q, k, v, x, beta, a_log, dt_bias)
 
   mesh = sharding.make_mesh("data:2,expert:4")
   rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
-  args = [jax.device_put(x, rows) for x in (q, k, v, g, beta)]
+  args = [jax.device_put(a, rows) for a in (q, k, v, x, beta)]
   with sharding.with_mesh(mesh):
-    (_, (o, state)), grads = jax.jit(grad("pallas"))(*args)
+    (_, (o, state)), grads = jax.jit(grad("pallas"))(*args, a_log, dt_bias)
   assert seen and all(shape[0] == 1 for shape in seen), seen   # 8 rows over 8 devices
   assert o.sharding.spec[0] == sharding.BATCH_AXES
   assert _error_ratio(o, o_ref) <= 1e-5
   assert _error_ratio(state, s_ref) <= 1e-5
-  for name, gr, gr_ref in zip("q k v g beta".split(), grads, grads_ref):
+  for name, gr, gr_ref in zip("q k v x beta A_log dt_bias".split(), grads, grads_ref):
     assert _error_ratio(gr, gr_ref) <= 1e-5, name
+
+
+def test_map_over_batch_shards_sums_the_shared_arrays_gradients_over_devices():
+  """A shared (replicated) argument reaches every device's rows whole, and its gradient is the
+  sum over all rows, as without a mesh; None passes through in both places."""
+  x = jnp.arange(24.0).reshape(8, 3) / 10
+  w = jnp.array([0.5, -1.0, 2.0])
+
+  def loss(w, x):
+    def rows(w, none, x, none2):
+      assert none is None and none2 is None
+      return jnp.sin(x * w)
+    return jnp.sum(sharding.map_over_batch_shards(rows, x, None, shared=(w, None)) ** 2)
+
+  want = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(w, x)
+  mesh = sharding.make_mesh("data:2,expert:4")
+  with sharding.with_mesh(mesh):
+    got = jax.jit(jax.value_and_grad(loss, argnums=(0, 1)))(
+        w, jax.device_put(x, NamedSharding(mesh, P(sharding.BATCH_AXES))))
+  for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(want)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-6, atol=1e-6)
 
 
 def test_map_over_batch_shards_rejects_indivisible_batch():

@@ -170,17 +170,10 @@ def _pallas_depth_mix(sources: tuple, query: jax.Array, valid: Optional[jax.Arra
   if sources[0].ndim < 2:   # one row: no batch axis to split
     return depth_mix_fused(sources, query, valid, eps, config)
   # The kernels are opaque to XLA's partitioner (under a mesh it would gather every row onto every
-  # device): each device mixes its own rows. The query and the mask travel with a batch axis (each
-  # device's rows take row 0) so that they enter the shard_map as inputs, not closures; the query's
-  # gradient is then the sum of the devices' through the broadcast's transpose.
-  batch = sources[0].shape[0]
-  query_rows = jnp.broadcast_to(query, (batch,) + query.shape)
-  valid_rows = None if valid is None else jnp.broadcast_to(valid, (batch,) + valid.shape)
-
-  def local(query_rows, valid_rows, *sources):
-    return depth_mix_fused(sources, query_rows[0], None if valid_rows is None else valid_rows[0],
-                           eps, config)
-  return sharding.map_over_batch_shards(local, query_rows, valid_rows, *sources)
+  # device): each device mixes its own rows, the query's gradient summed over devices.
+  def local(query, valid, *sources):
+    return depth_mix_fused(sources, query, valid, eps, config)
+  return sharding.map_over_batch_shards(local, *sources, shared=(query, valid))
 
 
 def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[jax.Array],

@@ -159,15 +159,12 @@ def _conv_silu_pallas_bwd(out_dtype, residuals, dout):
   del out_dtype
   x, kernel, segment_ids = residuals
   config = ConvConfig(interpret=jax.default_backend() == "cpu")
-  # The kernel travels with a batch axis (each device's rows take row 0): an input of the
-  # shard_map, not a closure.
-  kernel_rows = jnp.broadcast_to(kernel, (x.shape[0],) + kernel.shape)
 
-  def local(x, kernel_rows, segment_ids, dout):
-    dx, dkernel = conv_silu_bwd(x, kernel_rows[0], segment_ids, dout, config)
+  def local(kernel, x, segment_ids, dout):
+    dx, dkernel = conv_silu_bwd(x, kernel, segment_ids, dout, config)
     return dx, dkernel.astype(jnp.float32)[None]      # [1, W, C]: this device's partial sum
 
-  dx, dkernel_parts = sharding.map_over_batch_shards(local, x, kernel_rows, segment_ids, dout)
+  dx, dkernel_parts = sharding.map_over_batch_shards(local, x, segment_ids, dout, shared=(kernel,))
   return dx, jnp.sum(dkernel_parts, axis=0).astype(kernel.dtype), None
 
 

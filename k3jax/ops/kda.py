@@ -383,28 +383,23 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
         raise
       pallas_chunk_kda = None
     if pallas_chunk_kda is not None:
-      # The fused gate's parameters travel with a batch axis (broadcast, each device's rows take
-      # row 0) so that under a mesh they enter the shard_map as inputs, not as closures.
-      a_rows = dt_rows = None
+      a32 = dt32 = None
       if fused:
-        a_rows = jnp.broadcast_to(jnp.asarray(A_log, jnp.float32), (B, H))
-        if dt_bias is not None:
-          dt_rows = jnp.broadcast_to(jnp.asarray(dt_bias, jnp.float32), (B, H * K))
+        a32 = jnp.asarray(A_log, jnp.float32)
+        dt32 = None if dt_bias is None else jnp.asarray(dt_bias, jnp.float32)
 
-      def run(q, k, v, g, beta, initial_state, segment_ids, a_rows, dt_rows, cu_seqlens):
-        gate = {}
-        if fused:
-          gate = dict(A_log=a_rows[0], lower_bound=lower_bound,
-                      dt_bias=None if dt_rows is None else dt_rows[0])
+      def run(a32, dt32, q, k, v, g, beta, initial_state, segment_ids, cu_seqlens=None):
+        gate = dict(A_log=a32, lower_bound=lower_bound, dt_bias=dt32) if fused else {}
         return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state,
                                 use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
                                 segment_ids=segment_ids, chunk_size=chunk_size, **gate)
       if cu_seqlens is not None:  # one packed row: nothing to split over devices
-        return run(q, k, v, g, beta, initial_state, segment_ids, a_rows, dt_rows, cu_seqlens)
-      # The kernel is opaque to XLA's partitioner: under a mesh, each device runs its own rows.
-      return sharding.map_over_batch_shards(
-          lambda *a: run(*a, None), q, k, v, g, beta, initial_state, segment_ids, a_rows, dt_rows)
+        return run(a32, dt32, q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
+      # The kernel is opaque to XLA's partitioner: under a mesh, each device runs its own rows
+      # (the gate's parameters shared, their gradients summed over devices).
+      return sharding.map_over_batch_shards(run, q, k, v, g, beta, initial_state, segment_ids,
+                                            shared=(a32, dt32))
 
   scale = K ** -0.5 if scale is None else float(scale)
   if fused:
