@@ -32,7 +32,8 @@ def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
 DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 KDA_BACKENDS = ("auto", "xla", "pallas")
-# The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward): k3jax.ops.kernel_choice.
+# The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
+# k3jax.ops.kernel_choice.
 KERNEL_CHOICES = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
 REMAT_POLICIES = ("none", "full", "dots")
@@ -123,6 +124,9 @@ class ModelConfig:
   attnres_block_size: int = 2     # layers per block
   # DepthMix: 'xla' | 'pallas' (pallas_kernels/depth_mix) | 'auto' (pallas on a GPU, else xla)
   attnres_kernel: str = "auto"
+  # The decoder's RMSNorms' backward (attn_norm, ffn_norm, final_norm): 'xla' | 'pallas'
+  # (pallas_kernels/rms_norm) | 'auto' (pallas on a GPU, else xla). RESULTS.md run 23.
+  norm_kernel: str = "auto"
 
   # Activation memory: what the backward pass of each decoder layer keeps from its forward.
   #   'none': everything autodiff saves; 'full': only the layer's inputs (the layer's forward runs
@@ -171,6 +175,8 @@ class ModelConfig:
            f"one of {ATTENTION_IMPLS}", self.attention_impl)
     _check(self.attnres_kernel in KERNEL_CHOICES, p + "attnres_kernel",
            f"one of {KERNEL_CHOICES}", self.attnres_kernel)
+    _check(self.norm_kernel in KERNEL_CHOICES, p + "norm_kernel",
+           f"one of {KERNEL_CHOICES}", self.norm_kernel)
     _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
     _check(isinstance(self.scan_layers, bool), p + "scan_layers", "True or False",
            self.scan_layers)

@@ -165,7 +165,7 @@ class DecoderLayer(nn.Module):
     cfg = self.config
     dtype = common.to_dtype(cfg.dtype)
     norm = lambda name: common.RMSNorm(cfg.norm_eps, dtype, common.to_dtype(cfg.param_dtype),
-                                       name=name)
+                                       cfg.norm_kernel, name=name)
     if cfg.layer_kind(self.layer_index) == "mla":
       attn = GatedMLA(cfg, name="mla")
     else:
@@ -294,7 +294,7 @@ class K3Model(nn.Module):
       h = DepthMix(cfg, name="final_mix")(*blocks.sources(partial))
     else:
       h = partial
-    h = common.RMSNorm(cfg.norm_eps, dtype, param_dtype, name="final_norm")(h)
+    h = common.RMSNorm(cfg.norm_eps, dtype, param_dtype, cfg.norm_kernel, name="final_norm")(h)
     if cfg.tie_embeddings:
       head = embedding.T
     else:

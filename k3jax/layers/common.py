@@ -16,6 +16,10 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from k3jax import sharding
+from k3jax.ops.kernel_choice import pallas_or_xla
+from pallas_kernels.rms_norm import RmsNormConfig, rms_norm_bwd
+
 DTYPE_MAP = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
@@ -71,17 +75,24 @@ class Dense(nn.Module):
     return y
 
 
-def rms_norm(x: jax.Array, eps: float, weight: Optional[jax.Array] = None) -> jax.Array:
-  """RMS-normalises the last axis in fp32; returns fp32. weight (if given) scales the result.
+def rms_norm(x: jax.Array, eps: float, weight: Optional[jax.Array] = None, *,
+             out_dtype=jnp.float32, kernel: str = "xla") -> jax.Array:
+  """RMS-normalises the last axis in fp32; returns `out_dtype` (fp32 by default). weight (if
+  given) scales the result.
 
   x [..., d] any float dtype; weight [d] or None. y = x · r · weight, r = (mean_d x² + eps)^-½.
   The backward pass keeps x in its own dtype and r [..., 1] fp32 (a hand-written VJP): autodiff
   of the fp32 formula would keep an fp32 copy of x, a [B, T, d] fp32 array per norm (3 GiB per
-  norm of a 1M-token row at d = 768).
+  norm of a 1M-token row at d = 768). Rounding to out_dtype inside the VJP hands its backward the
+  cotangent in out_dtype (no fp32 copy for a kernel to read).
+  kernel: the backward, 'xla' (XLA's fusions), 'pallas' (`pallas_kernels.rms_norm.rms_norm_bwd`:
+    one kernel; interpreted on CPU; each device's rows under a mesh) or 'auto'
+    (`k3jax.ops.kernel_choice.pallas_or_xla`): the same math.
   """
   if weight is None:
-    return _rms_norm(x, jnp.ones((x.shape[-1],), jnp.float32), float(eps))
-  return _rms_norm(x, weight, float(eps))
+    weight = jnp.ones((x.shape[-1],), jnp.float32)
+  kernel = pallas_or_xla(kernel, "ModelConfig.norm_kernel")
+  return _rms_norm(x, weight, float(eps), jnp.dtype(out_dtype), kernel)
 
 
 def _rms_scale(x: jax.Array, eps: float) -> jax.Array:
@@ -94,15 +105,19 @@ def _normed(x: jax.Array, r: jax.Array, weight: jax.Array) -> jax.Array:
   return x.astype(jnp.float32) * r * weight.astype(jnp.float32)
 
 
-def _rms_norm_fwd(x, weight, eps):
+def _rms_norm_fwd(x, weight, eps, out_dtype, kernel):
+  del kernel
   r = _rms_scale(x, eps)
-  return _normed(x, r, weight), (x, weight, r)
+  return _normed(x, r, weight).astype(out_dtype), (x, weight, r)
 
 
-def _rms_norm_bwd(eps, residuals, dy):
+def _rms_norm_bwd(eps, out_dtype, kernel, residuals, dy):
   """u = w·dy; dx = r·u − x·r³·mean_d(x·u); dw = Σ over the leading axes of dy·x·r."""
-  del eps
+  del eps, out_dtype
   x, weight, r = residuals
+  if kernel == "pallas":
+    dx, dw = _pallas_rms_norm_bwd(x, weight, r, dy)
+    return dx, dw.astype(weight.dtype)
   x32, dy32 = x.astype(jnp.float32), dy.astype(jnp.float32)
   u = dy32 * weight.astype(jnp.float32)
   dx = r * u - x32 * r**3 * jnp.mean(x32 * u, axis=-1, keepdims=True)
@@ -110,25 +125,43 @@ def _rms_norm_bwd(eps, residuals, dy):
   return dx.astype(x.dtype), dw.astype(weight.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
-  return _rms_norm_fwd(x, weight, eps)[0]
+def _pallas_rms_norm_bwd(x, weight, r, dy):
+  """`_rms_norm_bwd`'s math as one Pallas kernel. The kernel is opaque to XLA's partitioner
+  (under a mesh it would gather every row onto every device): each device runs its own rows and
+  dw is the sum of the devices' parts. One row (no batch axis): the kernel alone."""
+  config = RmsNormConfig(interpret=jax.default_backend() == "cpu")
+  if x.ndim < 2:
+    return rms_norm_bwd(x, weight, r, dy, config)
+
+  def local(weight, x, r, dy):
+    dx, dw = rms_norm_bwd(x, weight, r, dy, config)
+    return dx, dw[None]
+
+  dx, dw_parts = sharding.map_over_batch_shards(local, x, r, dy, shared=(weight,))
+  return dx, jnp.sum(dw_parts, axis=0)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4))
+def _rms_norm(x: jax.Array, weight: jax.Array, eps: float, out_dtype, kernel: str) -> jax.Array:
+  return _rms_norm_fwd(x, weight, eps, out_dtype, kernel)[0]
 
 
 _rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 
 class RMSNorm(nn.Module):
-  """RMSNorm over the last axis with a learned scale (init 1). Computes in fp32, returns `dtype`."""
+  """RMSNorm over the last axis with a learned scale (init 1). Computes in fp32, returns `dtype`.
+  kernel: its backward, 'xla', 'pallas' or 'auto' (`rms_norm`)."""
   eps: float = 1e-5
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
+  kernel: str = "xla"
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
     w = logical_param(self, "scale", (x.shape[-1],), ("norm",), nn.initializers.ones,
                       self.param_dtype)
-    return rms_norm(x, self.eps, w).astype(self.dtype)
+    return rms_norm(x, self.eps, w, out_dtype=self.dtype, kernel=self.kernel)
 
 
 def gated_rms_norm(x: jax.Array, gate: jax.Array, eps: float, weight: jax.Array) -> jax.Array:
@@ -143,7 +176,7 @@ def gated_rms_norm(x: jax.Array, gate: jax.Array, eps: float, weight: jax.Array)
 
 
 def _gated_rms_norm_fwd(x, gate, weight, eps):
-  n, (_, _, r) = _rms_norm_fwd(x, weight, eps)
+  n, (_, _, r) = _rms_norm_fwd(x, weight, eps, jnp.float32, "xla")
   return sigmoid_gate(n, gate), (x, gate, weight, r)
 
 
@@ -152,7 +185,7 @@ def _gated_rms_norm_bwd(eps, residuals, dy):
   x, gate, weight, r = residuals
   n = _normed(x, r, weight)
   dn, dgate = _sigmoid_gate_bwd((n, gate), dy)
-  dx, dw = _rms_norm_bwd(eps, (x, weight, r), dn)
+  dx, dw = _rms_norm_bwd(eps, jnp.float32, "xla", (x, weight, r), dn)
   return dx, dgate, dw
 
 

@@ -1,6 +1,6 @@
-"""The kernel settings' one rule (ModelConfig.moe_situ_glu, attnres_kernel, kda_conv_backward):
-'xla' runs XLA's fusions, 'pallas' the Pallas kernels (interpreted on CPU), and 'auto' picks
-'pallas' on a GPU and 'xla' elsewhere (where the interpreter would only be slower)."""
+"""The kernel settings' one rule (ModelConfig.moe_situ_glu, attnres_kernel, kda_conv_backward,
+norm_kernel): 'xla' runs XLA's fusions, 'pallas' the Pallas kernels (interpreted on CPU), and
+'auto' picks 'pallas' on a GPU and 'xla' elsewhere (where the interpreter would only be slower)."""
 
 from __future__ import annotations
 

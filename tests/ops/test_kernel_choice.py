@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax import config as config_lib
-from k3jax.layers import attnres, conv
+from k3jax.layers import attnres, common, conv
 from k3jax.layers.moe import LatentMoE
 from k3jax.ops.kernel_choice import pallas_or_xla
 
@@ -23,7 +23,8 @@ def test_auto_is_pallas_on_a_gpu_only():
     pallas_or_xla("triton", "ModelConfig.x")
 
 
-@pytest.mark.parametrize("field", ["moe_situ_glu", "attnres_kernel", "kda_conv_backward"])
+@pytest.mark.parametrize("field", ["moe_situ_glu", "attnres_kernel", "kda_conv_backward",
+                                   "norm_kernel"])
 def test_each_setting_is_validated_and_named(field):
   with pytest.raises(config_lib.ConfigError, match=rf"ModelConfig\.{field} = 'cuda'"):
     dataclasses.replace(config_lib.ModelConfig(), **{field: "cuda"}).validate()
@@ -33,6 +34,8 @@ def test_the_call_sites_name_their_setting():
   """A bad value that bypasses the config's validation still fails with the setting's name."""
   with pytest.raises(ValueError, match=r"ModelConfig\.kda_conv_backward = 'cuda'"):
     conv.conv_silu(jnp.zeros((1, 4, 2)), jnp.zeros((4, 2)), None, jnp.float32, "cuda")
+  with pytest.raises(ValueError, match=r"ModelConfig\.norm_kernel = 'cuda'"):
+    common.rms_norm(jnp.zeros((2, 8)), 1e-6, kernel="cuda")
   with pytest.raises(ValueError, match=r"ModelConfig\.attnres_kernel = 'cuda'"):
     attnres.depth_mix([jnp.zeros((2, 8))], jnp.zeros(8), None, 1e-6, kernel="cuda")
   cfg = dataclasses.replace(config_lib.ModelConfig(), moe_situ_glu="cuda")
