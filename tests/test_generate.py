@@ -1,6 +1,7 @@
 """Decoding: prefill + one-token steps reproduce the full forward pass; sampling basics."""
 
 import dataclasses
+import functools
 import os
 
 import jax
@@ -16,21 +17,34 @@ from testlib import tiny_variables
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
 
 
+@functools.lru_cache(maxsize=None)
+def _jitted_apply(cfg):
+  """K3Model(cfg).apply jitted once per config: the tests' full forwards of one shape share it."""
+  return jax.jit(K3Model(cfg).apply)
+
+
 def _full_forward(cfg, variables, tokens):
-  return jax.jit(K3Model(cfg).apply)(variables, tokens)
+  return _jitted_apply(cfg)(variables, tokens)
 
 
-def _setup(T=21):
+# The tests below decode 21 positions, with a prompt (prefill) of 13 where they prefill: they
+# compile the same three programs (the 21-token full forward, the 13-token prefill and the
+# one-token step against a 21-position cache), which the process or the persistent compilation
+# cache then shares between them.
+_LENGTH, _PREFILL = 21, 13
+
+
+def _setup():
   cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
   cfg = dataclasses.replace(cfg, kda_chunk_size=16)
-  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, T), 0, cfg.vocab_size)
+  tokens = jax.random.randint(jax.random.PRNGKey(5), (2, _LENGTH), 0, cfg.vocab_size)
   return cfg, tokens, tiny_variables(cfg)
 
 
 def test_prefill_then_steps_equal_full_forward():
   cfg, tokens, variables = _setup()
   full = _full_forward(cfg, variables, tokens)
-  prefill_len = 13
+  prefill_len = _PREFILL
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
   logits, cache = decode_forward(cfg, variables, cache, tokens[:, :prefill_len])
   got = [logits]
@@ -42,7 +56,7 @@ def test_prefill_then_steps_equal_full_forward():
 
 
 def test_token_by_token_from_the_start_equals_full_forward():
-  cfg, tokens, variables = _setup(T=9)
+  cfg, tokens, variables = _setup()
   full = _full_forward(cfg, variables, tokens)
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
   got = []
@@ -53,12 +67,17 @@ def test_token_by_token_from_the_start_equals_full_forward():
 
 
 def test_greedy_generation_follows_the_argmax_of_the_full_forward():
-  cfg, tokens, variables = _setup(T=5)
-  out = generate(cfg, variables, tokens, 6, jax.random.PRNGKey(0), temperature=0.0)
-  assert out.shape == (2, 11)
-  np.testing.assert_array_equal(out[:, :5], tokens)
-  full = _full_forward(cfg, variables, out[:, :-1])
-  np.testing.assert_array_equal(out[:, 5:], jnp.argmax(full[:, 4:], axis=-1))
+  cfg, tokens, variables = _setup()
+  prompt = tokens[:, :_PREFILL]
+  out = generate(cfg, variables, prompt, _LENGTH - _PREFILL, jax.random.PRNGKey(0),
+                 temperature=0.0)
+  assert out.shape == (2, _LENGTH)
+  np.testing.assert_array_equal(out[:, :_PREFILL], prompt)
+  # The full forward of all 21 tokens (the model is causal: the logits at positions 12..19 are
+  # those of the first 20 tokens alone, test_model's test_model_is_causal).
+  full = _full_forward(cfg, variables, out)
+  np.testing.assert_array_equal(out[:, _PREFILL:],
+                                np.argmax(np.asarray(full[:, _PREFILL - 1:-1]), axis=-1))
 
 
 def test_top_k_sampling_stays_in_the_top_k():
