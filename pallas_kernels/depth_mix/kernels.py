@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import result_like
+from pallas_kernels.common import column_chunk, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,7 +195,7 @@ def _bwd_kernel(*refs, num_sources: int, width: int, chunk: int, resident: bool)
 def _tiles(n: int, d: int, config: DepthMixConfig) -> tuple[int, int, int]:
   """(block_rows, channel chunk Dc, N padded to whole row tiles)."""
   bn = min(config.block_rows, pl.next_power_of_2(n))
-  chunk = min(config.block_d, d & -d)   # d & -d: the largest power of two dividing d
+  chunk = column_chunk(d, config.block_d)
   return bn, chunk, pl.cdiv(n, bn) * bn
 
 

@@ -26,6 +26,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels.common import column_chunk, result_like
+
 
 @dataclasses.dataclass(frozen=True)
 class RmsNormConfig:
@@ -47,11 +49,6 @@ class RmsNormConfig:
       value = getattr(self, name)
       if value < 1 or value & (value - 1):
         raise ValueError(f"RmsNormConfig.{name} must be a power of two, got {value}")
-
-
-def _chunk(d: int, cap: int) -> int:
-  """The largest power of two that divides d and is at most cap."""
-  return min(d & -d, cap)
 
 
 def _bwd_kernel(x_ref, r_ref, dy_ref, w_ref, dx_ref, dw_ref, *, d: int, dc: int):
@@ -105,7 +102,7 @@ def rms_norm_bwd(x: jax.Array, weight: jax.Array, r: jax.Array, dy: jax.Array,
   params = {} if config.interpret else dict(compiler_params=pl_triton.CompilerParams(
       num_warps=config.num_warps, num_stages=config.num_stages))
   dx, dw = pl.pallas_call(
-      functools.partial(_bwd_kernel, d=d, dc=_chunk(d, config.block_d)),
+      functools.partial(_bwd_kernel, d=d, dc=column_chunk(d, config.block_d)),
       grid=(programs,),
       in_specs=[pl.BlockSpec((rows, d), lambda i: (i, 0)),
                 pl.BlockSpec((rows,), lambda i: (i,)),
@@ -113,8 +110,8 @@ def rms_norm_bwd(x: jax.Array, weight: jax.Array, r: jax.Array, dy: jax.Array,
                 pl.BlockSpec((d,), lambda i: (0,))],
       out_specs=[pl.BlockSpec((rows, d), lambda i: (i, 0)),
                  pl.BlockSpec((None, d), lambda i: (i, 0))],
-      out_shape=[jax.ShapeDtypeStruct((n_pad, d), x.dtype),
-                 jax.ShapeDtypeStruct((programs, d), jnp.float32)],
+      out_shape=[result_like(x, (n_pad, d), x.dtype),
+                 result_like(x, (programs, d), jnp.float32)],
       interpret=config.interpret,
       name="rms_norm_bwd",
       **params,

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels.common import result_like
+
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
@@ -158,8 +160,8 @@ def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
       in_specs=[row_spec(halo + tp), seg_spec, row_spec(tp), w_spec],
       out_specs=[pl.BlockSpec((None, rows, bc), lambda bi, ti, ci: (bi, ti, ci)),
                  pl.BlockSpec((None, None, wp, bc), lambda bi, ti, ci: (bi, ti, 0, ci))],
-      out_shape=[jax.ShapeDtypeStruct((b, tp + rows, cp), jnp.float32),
-                 jax.ShapeDtypeStruct((b, programs + 1, wp, cp), jnp.float32)],
+      out_shape=[result_like(x, (b, tp + rows, cp), jnp.float32),
+                 result_like(x, (b, programs + 1, wp, cp), jnp.float32)],
       interpret=config.interpret,
       name="short_conv_silu_dy_dw",
       **params,
@@ -169,7 +171,7 @@ def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
       grid=(b, tp // bt, cp // bc),
       in_specs=[row_spec(tp + rows), seg_spec, w_spec],
       out_specs=pl.BlockSpec((None, bt, bc), lambda bi, ti, ci: (bi, ti, ci)),
-      out_shape=jax.ShapeDtypeStruct((b, tp, cp), x.dtype),
+      out_shape=result_like(x, (b, tp, cp), x.dtype),
       interpret=config.interpret,
       name="short_conv_silu_dx",
       **params,
