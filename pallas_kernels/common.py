@@ -15,3 +15,12 @@ def column_chunk(width: int, cap: int) -> int:
   """The largest power of two that divides `width` and is at most `cap`: the column chunk of the
   kernels that loop over a width that is not a power of two (Triton wants power-of-two arrays)."""
   return min(cap, width & -width)
+
+
+def check_powers_of_two(config, *names: str) -> None:
+  """Raises ValueError, naming the config's class and field, unless each named field of a kernel's
+  tile config is a positive power of two (Triton's blocks must be)."""
+  for name in names:
+    value = getattr(config, name)
+    if not isinstance(value, int) or value < 1 or value & (value - 1):
+      raise ValueError(f"{type(config).__name__}.{name} must be a power of two, got {value!r}")

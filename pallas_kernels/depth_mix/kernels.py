@@ -47,7 +47,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import column_chunk, result_like
+from pallas_kernels.common import check_powers_of_two, column_chunk, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +70,7 @@ class DepthMixConfig:
   resident: bool = False
 
   def __post_init__(self):
-    for name in ("block_rows", "block_d", "num_warps"):
-      value = getattr(self, name)
-      if not isinstance(value, int) or value < 1 or value & (value - 1):
-        raise ValueError(f"DepthMixConfig.{name} must be a power of two, got {value!r}")
+    check_powers_of_two(self, "block_rows", "block_d", "num_warps")
 
 
 def _columns(c, chunk: int):

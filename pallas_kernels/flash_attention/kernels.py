@@ -32,6 +32,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
+from pallas_kernels.common import check_powers_of_two
+
 
 @dataclasses.dataclass(frozen=True)
 class FlashConfig:
@@ -53,10 +55,7 @@ class FlashConfig:
   interpret: bool = False
 
   def __post_init__(self):
-    for name in ("block_q", "block_k", "block_q_dkv", "block_k_dkv"):
-      value = getattr(self, name)
-      if value < 1 or value & (value - 1):
-        raise ValueError(f"FlashConfig.{name} must be a power of two, got {value}")
+    check_powers_of_two(self, "block_q", "block_k", "block_q_dkv", "block_k_dkv")
 
 
 def head_pieces(d: int) -> tuple[tuple[int, int], ...]:

@@ -30,7 +30,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import result_like
+from pallas_kernels.common import check_powers_of_two, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +45,7 @@ class GroupedGradConfig:
   interpret: bool = False
 
   def __post_init__(self):
-    for name in ("block_k", "block_n", "block_rows"):
-      value = getattr(self, name)
-      if value < 1 or value & (value - 1):
-        raise ValueError(f"GroupedGradConfig.{name} must be a power of two, got {value}")
+    check_powers_of_two(self, "block_k", "block_n", "block_rows")
 
 
 def _launch(config: GroupedGradConfig) -> dict:

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import column_chunk, result_like
+from pallas_kernels.common import check_powers_of_two, column_chunk, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -46,10 +46,7 @@ class RmsNormConfig:
   interpret: bool = False
 
   def __post_init__(self):
-    for name in ("block_rows", "block_d"):
-      value = getattr(self, name)
-      if value < 1 or value & (value - 1):
-        raise ValueError(f"RmsNormConfig.{name} must be a power of two, got {value}")
+    check_powers_of_two(self, "block_rows", "block_d")
 
 
 def _bwd_kernel(x_ref, r_ref, dy_ref, w_ref, dx_ref, dw_ref, *, d: int, dc: int):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import result_like
+from pallas_kernels.common import check_powers_of_two, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,10 +50,7 @@ class ConvConfig:
   interpret: bool = False
 
   def __post_init__(self):
-    for name in ("block_t", "block_c", "tiles_per_program"):
-      value = getattr(self, name)
-      if value < 1 or value & (value - 1):
-        raise ValueError(f"ConvConfig.{name} must be a power of two, got {value}")
+    check_powers_of_two(self, "block_t", "block_c", "tiles_per_program")
 
 
 def _sigmoid(y):

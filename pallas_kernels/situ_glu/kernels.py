@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import result_like
+from pallas_kernels.common import check_powers_of_two, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,10 +38,7 @@ class SituGluConfig:
   interpret: bool = False
 
   def __post_init__(self):
-    for name in ("block_m", "block_f"):
-      value = getattr(self, name)
-      if value < 1 or value & (value - 1):
-        raise ValueError(f"SituGluConfig.{name} must be a power of two, got {value}")
+    check_powers_of_two(self, "block_m", "block_f")
 
 
 def situ_glu_grads(a: jax.Array, b: jax.Array, dh: jax.Array, beta1: float, beta2: float):
