@@ -19,9 +19,8 @@ given to `common.logical_param`), never from shapes alone:
 
 from __future__ import annotations
 
-import math
 import re
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Sequence
 
 import flax.linen as nn
 import jax

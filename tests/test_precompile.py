@@ -11,8 +11,6 @@ import textwrap
 
 import pytest
 
-from testlib import TINY_RUN_BINDINGS
-
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Records which thread compiled or read each program ('jax._src.compiler' logs both at DEBUG).
