@@ -180,20 +180,23 @@ def _call_tokamax(fn, *args, implementation: str, kernel: str, **kwargs) -> jax.
         f"cannot run on {shapes} ({e}); choose 'tiled' or 'ragged_dot' for this model") from e
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation):
-  """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs."""
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside):
+  """tokamax.ragged_dot with rows past Σ group_sizes zeroed in dlhs, and in the output where
+  zero_outside."""
   out = _call_tokamax(_tokamax().ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                       implementation=implementation, kernel="fwd")
+  if not zero_outside:
+    return out
   return zero_rows(out, _rows_in_groups(lhs.shape[0], group_sizes))
 
 
-def _tokamax_grouped_fwd(lhs, rhs, group_sizes, out_dtype, implementation):
-  return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation), (lhs, rhs,
-                                                                                group_sizes)
+def _tokamax_grouped_fwd(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside):
+  out = _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside)
+  return out, (lhs, rhs, group_sizes)
 
 
-def _tokamax_grouped_bwd(out_dtype, implementation, residuals, dout):
+def _tokamax_grouped_bwd(out_dtype, implementation, zero_outside, residuals, dout):
   lhs, rhs, group_sizes = residuals
   # Mosaic multiplies bf16 by bf16 (or f16 by f16) only: the fp32 cotangent of an fp32-accumulated
   # output is rounded to the input dtype, as a bf16 matmul's backward would read it anyway.
@@ -223,12 +226,16 @@ def _rows_in_groups(num_rows: int, group_sizes: jax.Array) -> jax.Array:
 
 
 def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                       preferred_element_type=None, *, implementation: str) -> jax.Array:
+                       preferred_element_type=None, *, implementation: str,
+                       zero_outside: bool = True) -> jax.Array:
   """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on tokamax's grouped matmul, forward and backward.
 
   lhs [M, ℓ] rows contiguous by group; rhs [E, ℓ, f] (cast to lhs.dtype: Mosaic multiplies equal
   dtypes; the cast's transpose returns the weight gradient in rhs's dtype); group_sizes [E] int.
-  Returns [M, f] in preferred_element_type (default lhs.dtype), zero on rows past Σ group_sizes.
+  Returns [M, f] in preferred_element_type (default lhs.dtype), zero on rows past Σ group_sizes;
+  with zero_outside=False those rows are left as the kernel leaves them (uninitialised memory on
+  the GPU: for a consumer that never reads them, as the Pallas SiTU-GLU given `num_rows`; it
+  saves a select over [M, f]). dlhs is zero on those rows either way.
   implementation: 'mosaic' (tokamax's Pallas Mosaic GPU kernels: bf16/f16 inputs, NVIDIA compute
   capability >= 9.0 for the dlhs and drhs kernels) or 'xla' (tokamax's reference, which is
   `jax.lax.ragged_dot_general`: any backend and dtype). dlhs runs on the same implementation (a
@@ -249,16 +256,16 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
   lhs, rhs = _common_varying(lhs, rhs.astype(lhs.dtype))
   return _tokamax_grouped_shared(lhs, rhs, group_sizes.astype(jnp.int32), out_dtype,
-                                 implementation)
+                                 implementation, bool(zero_outside))
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4))
-def _tokamax_grouped_shared(lhs, rhs, group_sizes, out_dtype, implementation):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _tokamax_grouped_shared(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside):
   """`_tokamax_grouped` as one jitted function: its call sites of equal shapes (the MoE layers of
   the scanned group and of the unrolled suffix) share one traced jaxpr, so JAX lowers each kernel
   (forward, dlhs, drhs) once per shape instead of once per layer. Lowering a Mosaic GPU kernel
   is Python work of about a second; XLA inlines the calls, the compiled step is the same."""
-  return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation)
+  return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside)
 
 
 def _gpu_compute_capability() -> float:
@@ -276,15 +283,25 @@ def _mosaic_gpu_available() -> bool:
 
 
 def _auto_gpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                         preferred_element_type=None) -> jax.Array:
+                         preferred_element_type=None, *, zero_outside: bool = True) -> jax.Array:
   """'auto' on a GPU: tokamax's Mosaic kernels where all three run (bf16/f16 activations on
   compute capability 9.x: tokamax 0.0.17's sm100 path has no ragged-contracting kernel for the
   weight gradient), `tiled_ragged_dot` otherwise (fp32 activations; other GPUs, where XLA's dense
-  ragged_dot lowering would cost E× the memory)."""
+  ragged_dot lowering would cost E× the memory). zero_outside as in `tokamax_ragged_dot` (the
+  tiled path's rows past the groups are zero either way)."""
   if jnp.dtype(lhs.dtype) in _MOSAIC_DTYPES and 9.0 <= _gpu_compute_capability() < 10.0:
     return tokamax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type,
-                              implementation="mosaic")
+                              implementation="mosaic", zero_outside=zero_outside)
   return tiled_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
+
+
+def _takes_zero_outside(fn: RaggedDotFn) -> bool:
+  """Whether fn is one of the grouped matmuls that take `zero_outside` (`tokamax_ragged_dot`,
+  bound by functools.partial or not, and 'auto' on a GPU); hooks with jax.lax.ragged_dot's
+  signature do not."""
+  if isinstance(fn, functools.partial):
+    fn = fn.func
+  return fn is tokamax_ragged_dot or fn is _auto_gpu_ragged_dot
 
 
 def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
@@ -437,8 +454,13 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   # situ_glu's backward then keeps two bf16 [M, f] arrays, not fp32 ones. They are one grouped
   # matmul against [E, ℓ, 2f]: one kernel (and one backward pair) instead of two, twice as wide.
   f = w_gate.shape[-1]
+  # The Pallas activation gives h = 0 and d gate_up = 0 on the rows past the groups whatever
+  # gate_up holds there, so the grouped matmuls that can leave those rows unwritten skip their
+  # select over [M, 2f] (3.6 ms of medium.gin's step on an H200, RESULTS.md run 24 (e)).
+  skip_zeroing = activation == "pallas" and _takes_zero_outside(ragged_dot_fn)
   gate_up = ragged_dot_fn(x, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
-                          preferred_element_type=x.dtype)
+                          preferred_element_type=x.dtype,
+                          **({"zero_outside": False} if skip_zeroing else {}))
   if activation == "pallas":
     interpret = jax.default_backend() == "cpu"
     if interpret and jax.typeof(gate_up).manual_axis_type.varying:
@@ -448,7 +470,8 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
                        "which cannot run inside the expert-parallel shard_map (a mesh with "
                        "'expert' > 1); use 'auto' or 'xla' on CPU")
     config = situ_glu_kernels.SituGluConfig(interpret=interpret)
-    h = situ_glu_kernels.situ_glu_fused(gate_up, beta1, beta2, x.dtype, config)
+    h = situ_glu_kernels.situ_glu_fused(gate_up, beta1, beta2, x.dtype, config,
+                                        num_rows=jnp.sum(group_sizes))
   elif activation == "xla":
     h = situ_glu(gate_up[:, :f], gate_up[:, f:], beta1, beta2).astype(x.dtype)
   else:

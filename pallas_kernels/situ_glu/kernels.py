@@ -13,6 +13,12 @@ operands and results have fixed row-major layouts: the activation then reads and
 once, and XLA transposes only the finished h. One H200 (RESULTS.md run 17): small.gin's step
 163.6 -> 152.8 ms, medium.gin's 498.5 -> 456.0 ms. The tiles matter: 64 x 256 with 4 warps took
 4.5x as long as the default 64 x 128 with 8 warps at small.gin's shape.
+
+`num_rows`: the rows at and past it give h = 0 and d gate_up = 0 whatever gate_up holds there
+(selects, so NaN or Inf there stays out). The routed experts pass Σ group_sizes: tokamax's
+grouped matmul leaves the rows past the groups unwritten, and the select it would otherwise need
+is a pass over [M, 2f] of its own (3.6 ms of medium.gin's step, RESULTS.md run 24 (e)); here it
+costs a compare per element of a kernel that reads and writes those bytes anyway.
 """
 
 from __future__ import annotations
@@ -54,21 +60,30 @@ def situ_glu_grads(a: jax.Array, b: jax.Array, dh: jax.Array, beta1: float, beta
   return dh * (beta2 * tanh_b) * dsitu_da, dh * situ_a * (1.0 - tanh_b * tanh_b)
 
 
-def _fwd_kernel(gu_ref, h_ref, *, beta1: float, beta2: float):
-  """gu_ref [bm, 2, bf] (gate, up); h_ref [bm, bf]."""
+def _rows_kept(num_rows_ref, block_m: int) -> jax.Array:
+  """[bm, 1] bool: this row tile's rows that lie before num_rows_ref[0]."""
+  rows = pl.program_id(0) * block_m + jax.lax.broadcasted_iota(jnp.int32, (block_m, 1), 0)
+  return rows < num_rows_ref[0]
+
+
+def _fwd_kernel(num_rows_ref, gu_ref, h_ref, *, beta1: float, beta2: float):
+  """num_rows_ref [1] int32; gu_ref [bm, 2, bf] (gate, up); h_ref [bm, bf]."""
   a = gu_ref[:, 0, :].astype(jnp.float32)
   b = gu_ref[:, 1, :].astype(jnp.float32)
   h = (beta1 * jnp.tanh(a / beta1) * jax.nn.sigmoid(a)) * (beta2 * jnp.tanh(b / beta2))
+  h = jnp.where(_rows_kept(num_rows_ref, h.shape[0]), h, 0.0)
   h_ref[...] = h.astype(h_ref.dtype)
 
 
-def _bwd_kernel(gu_ref, dh_ref, dgu_ref, *, beta1: float, beta2: float):
-  """gu_ref [bm, 2, bf]; dh_ref [bm, bf]; dgu_ref [bm, 2, bf] (dgate, dup)."""
+def _bwd_kernel(num_rows_ref, gu_ref, dh_ref, dgu_ref, *, beta1: float, beta2: float):
+  """num_rows_ref [1] int32; gu_ref [bm, 2, bf]; dh_ref [bm, bf]; dgu_ref [bm, 2, bf]
+  (dgate, dup)."""
   a = gu_ref[:, 0, :].astype(jnp.float32)
   b = gu_ref[:, 1, :].astype(jnp.float32)
   dgate, dup = situ_glu_grads(a, b, dh_ref[...].astype(jnp.float32), beta1, beta2)
-  dgu_ref[:, 0, :] = dgate.astype(dgu_ref.dtype)
-  dgu_ref[:, 1, :] = dup.astype(dgu_ref.dtype)
+  keep = _rows_kept(num_rows_ref, a.shape[0])
+  dgu_ref[:, 0, :] = jnp.where(keep, dgate, 0.0).astype(dgu_ref.dtype)
+  dgu_ref[:, 1, :] = jnp.where(keep, dup, 0.0).astype(dgu_ref.dtype)
 
 
 def _tiles(m: int, f: int, config: SituGluConfig) -> tuple[int, int, int]:
@@ -93,27 +108,32 @@ def _split(gate_up: jax.Array, mp: int) -> jax.Array:
   return gate_up.reshape(mp, 2, two_f // 2)
 
 
-def situ_glu_fwd_kernel(gate_up: jax.Array, beta1: float, beta2: float, out_dtype,
-                        config: SituGluConfig) -> jax.Array:
-  """h [M, f] in out_dtype from gate_up [M, 2f] (gate columns first)."""
+_ONE = pl.BlockSpec((1,), lambda i, j: (0,))
+
+
+def situ_glu_fwd_kernel(gate_up: jax.Array, num_rows: jax.Array, beta1: float, beta2: float,
+                        out_dtype, config: SituGluConfig) -> jax.Array:
+  """h [M, f] in out_dtype from gate_up [M, 2f] (gate columns first); num_rows [1] int32: rows
+  from it on give zeros."""
   m, two_f = gate_up.shape
   f = two_f // 2
   bm, bf, mp = _tiles(m, f, config)
   h = pl.pallas_call(
       functools.partial(_fwd_kernel, beta1=beta1, beta2=beta2),
       grid=(mp // bm, f // bf),
-      in_specs=[pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j))],
+      in_specs=[_ONE, pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j))],
       out_specs=pl.BlockSpec((bm, bf), lambda i, j: (i, j)),
       out_shape=result_like(gate_up, (mp, f), out_dtype),
       name="situ_glu_fwd",
       **_launch(config),
-  )(_split(gate_up, mp))
+  )(num_rows, _split(gate_up, mp))
   return h[:m]
 
 
-def situ_glu_bwd_kernel(gate_up: jax.Array, dh: jax.Array, beta1: float, beta2: float,
-                        config: SituGluConfig) -> jax.Array:
-  """d gate_up [M, 2f] in gate_up.dtype from gate_up [M, 2f] and dh [M, f]."""
+def situ_glu_bwd_kernel(gate_up: jax.Array, num_rows: jax.Array, dh: jax.Array, beta1: float,
+                        beta2: float, config: SituGluConfig) -> jax.Array:
+  """d gate_up [M, 2f] in gate_up.dtype from gate_up [M, 2f] and dh [M, f]; num_rows [1] int32:
+  rows from it on give zeros."""
   m, two_f = gate_up.shape
   f = two_f // 2
   bm, bf, mp = _tiles(m, f, config)
@@ -122,38 +142,43 @@ def situ_glu_bwd_kernel(gate_up: jax.Array, dh: jax.Array, beta1: float, beta2: 
   dgu = pl.pallas_call(
       functools.partial(_bwd_kernel, beta1=beta1, beta2=beta2),
       grid=(mp // bm, f // bf),
-      in_specs=[pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j)),
+      in_specs=[_ONE, pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j)),
                 pl.BlockSpec((bm, bf), lambda i, j: (i, j))],
       out_specs=pl.BlockSpec((bm, 2, bf), lambda i, j: (i, 0, j)),
       out_shape=result_like(gate_up, (mp, 2, f), gate_up.dtype),
       name="situ_glu_bwd",
       **_launch(config),
-  )(_split(gate_up, mp), dh)
+  )(num_rows, _split(gate_up, mp), dh)
   return dgu.reshape(mp, two_f)[:m]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3, 4))
-def _situ_glu_fused(gate_up, beta1, beta2, out_dtype, config):
-  return situ_glu_fwd_kernel(gate_up, beta1, beta2, out_dtype, config)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _situ_glu_fused(gate_up, num_rows, beta1, beta2, out_dtype, config):
+  return situ_glu_fwd_kernel(gate_up, num_rows, beta1, beta2, out_dtype, config)
 
 
-def _situ_glu_fused_fwd(gate_up, beta1, beta2, out_dtype, config):
-  return situ_glu_fwd_kernel(gate_up, beta1, beta2, out_dtype, config), gate_up
+def _situ_glu_fused_fwd(gate_up, num_rows, beta1, beta2, out_dtype, config):
+  return (situ_glu_fwd_kernel(gate_up, num_rows, beta1, beta2, out_dtype, config),
+          (gate_up, num_rows))
 
 
-def _situ_glu_fused_bwd(beta1, beta2, out_dtype, config, gate_up, dh):
+def _situ_glu_fused_bwd(beta1, beta2, out_dtype, config, residuals, dh):
   del out_dtype
-  return (situ_glu_bwd_kernel(gate_up, dh, beta1, beta2, config),)
+  gate_up, num_rows = residuals
+  return situ_glu_bwd_kernel(gate_up, num_rows, dh, beta1, beta2, config), None
 
 
 _situ_glu_fused.defvjp(_situ_glu_fused_fwd, _situ_glu_fused_bwd)
 
 
 def situ_glu_fused(gate_up: jax.Array, beta1: float, beta2: float, out_dtype=None,
-                   config: SituGluConfig = SituGluConfig()) -> jax.Array:
+                   config: SituGluConfig = SituGluConfig(),
+                   num_rows: jax.Array | int | None = None) -> jax.Array:
   """SiTU-GLU of gate_up [M, 2f] (gate columns, then up columns; any float dtype) -> h [M, f] in
   out_dtype (default gate_up's), differentiable (the backward is the second kernel; the
-  gradient comes back in gate_up's dtype). beta1, beta2 > 0: the SiTU and softcap bounds."""
+  gradient comes back in gate_up's dtype). beta1, beta2 > 0: the SiTU and softcap bounds.
+  num_rows: an int or int scalar array (traced is fine); rows r >= num_rows give h[r] = 0 and a
+  zero gradient, whatever gate_up[r] holds (NaN included). None: every row is computed."""
   if gate_up.ndim != 2 or gate_up.shape[1] % 2:
     raise ValueError(f"situ_glu_fused: gate_up must be [M, 2f], got shape {gate_up.shape}")
   if not jnp.issubdtype(gate_up.dtype, jnp.floating):
@@ -161,4 +186,11 @@ def situ_glu_fused(gate_up: jax.Array, beta1: float, beta2: float, out_dtype=Non
   if beta1 <= 0 or beta2 <= 0:
     raise ValueError(f"situ_glu_fused: beta1={beta1} and beta2={beta2} must both be > 0")
   out_dtype = jnp.dtype(gate_up.dtype if out_dtype is None else out_dtype)
-  return _situ_glu_fused(gate_up, float(beta1), float(beta2), out_dtype, config)
+  if num_rows is None:
+    num_rows = gate_up.shape[0]
+  num_rows = jnp.asarray(num_rows)
+  if num_rows.shape != () or not jnp.issubdtype(num_rows.dtype, jnp.integer):
+    raise ValueError(f"situ_glu_fused: num_rows must be an int scalar, got {num_rows.dtype}"
+                     f"{list(num_rows.shape)}")
+  return _situ_glu_fused(gate_up, num_rows.astype(jnp.int32).reshape(1), float(beta1),
+                         float(beta2), out_dtype, config)

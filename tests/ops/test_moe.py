@@ -389,6 +389,45 @@ def test_dropless_values_and_gradients_match_dense_reference(grouped, activation
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
 
 
+@pytest.mark.parametrize("activation", ["pallas", "xla"])
+def test_tokamax_rows_past_the_groups_never_reach_the_result(monkeypatch, activation):
+  """On the GPU tokamax's kernels leave the rows past Σ group_sizes unwritten; emulated here by
+  NaN there (forward and dlhs), and by kernels that read every row of their two operands (a NaN
+  anywhere in them makes the whole result NaN). The routed experts' values and gradients still
+  equal the dense reference: with the Pallas activation, which zeroes those rows of h and of
+  d gate_up itself (the grouped matmul then skips its select), and with XLA's, which keeps it."""
+  call_tokamax = moe._call_tokamax
+
+  def unwritten_rows_nan(fn, *args, kernel, **kw):
+    out = call_tokamax(fn, *args, kernel=kernel, **kw)
+    out = out + 0 * sum(jnp.sum(a).astype(out.dtype) for a in args[:2])   # reads every row
+    if kernel == "drhs":
+      return out
+    in_groups = jnp.arange(out.shape[0]) < jnp.sum(args[2])
+    return jnp.where(in_groups[:, None], out, jnp.nan)
+
+  monkeypatch.setattr(moe, "_call_tokamax", unwritten_rows_nan)
+  moe._tokamax_grouped_shared.clear_cache()    # a trace cached by another test would skip the patch
+  z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in _problem(11, n=20, experts=4))
+  valid = jnp.asarray(np.arange(20) % 3 != 0)   # invalid tokens' rows sort past the groups
+  cot = jax.random.normal(jax.random.PRNGKey(3), z.shape)
+  fn = default_ragged_dot("tokamax")
+
+  def ours(z, w, wg, wu, wo):
+    return routed_experts(z, idx, w, wg, wu, wo, beta1=B1, beta2=B2, valid=valid,
+                          ragged_dot_fn=fn, activation=activation)[0]
+
+  args = (z, w, wg, wu, wo)
+  np.testing.assert_allclose(jax.jit(ours)(*args), _dense_routed(z, idx, *args[1:], valid),
+                             rtol=1e-5, atol=1e-5)
+  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=tuple(range(5))))
+  g_ref = grad(lambda z, w, wg, wu, wo: _dense_routed(z, idx, w, wg, wu, wo, valid))(*args)
+  for name, a, b in zip(("z", "expert_weight", "w_gate", "w_up", "w_out"), grad(ours)(*args),
+                        g_ref):
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+  moe._tokamax_grouped_shared.clear_cache()    # nor may this test's traces reach another
+
+
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.5])
 def test_compiled_gradient_has_no_scatter(capacity_factor):
   """The backward of dispatch and combine are gathers: no scatter(-add) in the compiled HLO of

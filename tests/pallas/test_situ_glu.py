@@ -43,6 +43,28 @@ def test_values_and_gradient_match_the_closed_form(m, f):
                              atol=2e-5)
 
 
+@pytest.mark.parametrize("num_rows", [0, 9, 21])
+def test_rows_past_num_rows_give_zeros_whatever_they_hold(num_rows):
+  """The rows from num_rows on hold NaN and Inf (a grouped matmul's unwritten rows): h and the
+  gradient are zero there and equal the closed form before, in a row tile cut by num_rows too."""
+  rng = np.random.default_rng(num_rows)
+  m, f = 21, 24
+  gate_up = rng.standard_normal((m, 2 * f)) * 4.0
+  gate_up[num_rows:] = np.nan
+  gate_up[num_rows::3, :f] = np.inf
+  gate_up = jnp.asarray(gate_up, jnp.float32)
+  dh = jnp.asarray(rng.standard_normal((m, f)), jnp.float32)
+  h, vjp = jax.vjp(lambda x: situ_glu_fused(x, B1, B2, config=SMALL_TILES,
+                                            num_rows=jnp.int32(num_rows)), gate_up)
+  (dgu,) = vjp(dh)
+  assert np.all(np.asarray(h)[num_rows:] == 0) and np.all(np.asarray(dgu)[num_rows:] == 0)
+  want_h, dgate, dup = closed_form(gate_up[:num_rows])
+  np.testing.assert_allclose(h[:num_rows], want_h, rtol=2e-5, atol=2e-5)
+  dh64 = np.asarray(dh[:num_rows], np.float64)
+  np.testing.assert_allclose(dgu[:num_rows], np.concatenate([dh64 * dgate, dh64 * dup], axis=1),
+                             rtol=2e-5, atol=2e-5)
+
+
 def test_bf16_matches_the_xla_activation_and_its_gradient():
   """bf16 in, bf16 out, fp32 math: the same values as situ_glu's (XLA) and its custom VJP."""
   rng = np.random.default_rng(0)
@@ -67,5 +89,7 @@ def test_out_dtype_and_errors():
     situ_glu_fused(gate_up, 0.0, B2, config=SMALL_TILES)
   with pytest.raises(ValueError, match="floating"):
     situ_glu_fused(jnp.ones((8, 6), jnp.int32), B1, B2, config=SMALL_TILES)
+  with pytest.raises(ValueError, match="num_rows must be an int scalar"):
+    situ_glu_fused(gate_up, B1, B2, config=SMALL_TILES, num_rows=jnp.ones((2,), jnp.int32))
   with pytest.raises(ValueError, match="block_m must be a power of two"):
     SituGluConfig(block_m=24)
