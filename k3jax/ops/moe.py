@@ -182,8 +182,8 @@ def _call_tokamax(fn, *args, implementation: str, kernel: str, **kwargs) -> jax.
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
 def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside):
-  """tokamax.ragged_dot with rows past Σ group_sizes zeroed in dlhs, and in the output where
-  zero_outside."""
+  """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs where
+  zero_outside (else left as the kernels leave them)."""
   out = _call_tokamax(_tokamax().ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                       implementation=implementation, kernel="fwd")
   if not zero_outside:
@@ -213,7 +213,8 @@ def _tokamax_grouped_bwd(out_dtype, implementation, zero_outside, residuals, dou
                          preferred_element_type=rhs.dtype, implementation=implementation,
                          kernel="drhs")
   # The kernels never write the rows past the groups (uninitialised memory on the GPU).
-  dlhs = zero_rows(dlhs, _rows_in_groups(lhs.shape[0], group_sizes))
+  if zero_outside:
+    dlhs = zero_rows(dlhs, _rows_in_groups(lhs.shape[0], group_sizes))
   return dlhs, drhs, None
 
 
@@ -232,10 +233,11 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
   lhs [M, ℓ] rows contiguous by group; rhs [E, ℓ, f] (cast to lhs.dtype: Mosaic multiplies equal
   dtypes; the cast's transpose returns the weight gradient in rhs's dtype); group_sizes [E] int.
-  Returns [M, f] in preferred_element_type (default lhs.dtype), zero on rows past Σ group_sizes;
-  with zero_outside=False those rows are left as the kernel leaves them (uninitialised memory on
-  the GPU: for a consumer that never reads them, as the Pallas SiTU-GLU given `num_rows`; it
-  saves a select over [M, f]). dlhs is zero on those rows either way.
+  Returns [M, f] in preferred_element_type (default lhs.dtype), zero on rows past Σ group_sizes,
+  and so is the gradient of lhs. With zero_outside=False those rows of both are left as the
+  kernels leave them (uninitialised memory on the GPU), which saves a select over each: for
+  callers whose consumers never read those rows, or only through selects (`grouped_situ_glu`
+  with the Pallas SiTU-GLU given `num_rows`; `gather_rows`' backward).
   implementation: 'mosaic' (tokamax's Pallas Mosaic GPU kernels: bf16/f16 inputs, NVIDIA compute
   capability >= 9.0 for the dlhs and drhs kernels) or 'xla' (tokamax's reference, which is
   `jax.lax.ragged_dot_general`: any backend and dtype). dlhs runs on the same implementation (a
@@ -446,7 +448,10 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   before the fp32 activation math, as in `situ_glu_ffn`); w_gate, w_up [E, ℓ, f];
   w_out [E, f, ℓ] (already in x.dtype); group_sizes [E]; in_group [M] bool, False for the rows
   past the last group. Returns [M, ℓ] in x.dtype (accumulated in fp32 inside the matmul), zero on
-  rows outside the groups (which ragged_dot leaves undefined on some backends).
+  rows outside the groups (which ragged_dot leaves undefined on some backends). The gradient of x
+  on those rows is zero too, except with activation 'pallas' on a grouped matmul that takes
+  `zero_outside` (tokamax's): then it is undefined, and the callers (`routed_experts`, the
+  expert-parallel body) read it only through `gather_rows`' selects.
   activation: 'xla' (`situ_glu`, XLA's fusions) or 'pallas' (`pallas_kernels.situ_glu.
     situ_glu_fused`: one kernel forward and one backward; interpreted on CPU): the same math.
   """
@@ -455,12 +460,14 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   # matmul against [E, ℓ, 2f]: one kernel (and one backward pair) instead of two, twice as wide.
   f = w_gate.shape[-1]
   # The Pallas activation gives h = 0 and d gate_up = 0 on the rows past the groups whatever
-  # gate_up holds there, so the grouped matmuls that can leave those rows unwritten skip their
-  # select over [M, 2f] (3.6 ms of medium.gin's step on an H200, RESULTS.md run 24 (e)).
+  # gate_up and dh hold there, so the grouped matmuls that can leave those rows unwritten skip
+  # their selects: over gate_up [M, 2f] (3.6 ms of medium.gin's step on an H200, RESULTS.md run
+  # 24 (e)) and dh [M, f]. The other rows they leave: dx's, which the dispatch's backward reads
+  # through selects only (`gather_rows`); y's, zeroed below.
   skip_zeroing = activation == "pallas" and _takes_zero_outside(ragged_dot_fn)
+  unzeroed = {"zero_outside": False} if skip_zeroing else {}
   gate_up = ragged_dot_fn(x, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
-                          preferred_element_type=x.dtype,
-                          **({"zero_outside": False} if skip_zeroing else {}))
+                          preferred_element_type=x.dtype, **unzeroed)
   if activation == "pallas":
     interpret = jax.default_backend() == "cpu"
     if interpret and jax.typeof(gate_up).manual_axis_type.varying:
@@ -479,7 +486,7 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   # The expert outputs leave the matmul in x.dtype too: the combine sums them in fp32, but an fp32
   # [M, ℓ] output doubled the kernel's writes and what the backward keeps (the expert-parallel path
   # always sent them in x.dtype).
-  y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=x.dtype)
+  y = ragged_dot_fn(h, w_out, group_sizes, preferred_element_type=x.dtype, **unzeroed)
   return zero_rows(y, in_group)
 
 

@@ -395,7 +395,8 @@ def test_tokamax_rows_past_the_groups_never_reach_the_result(monkeypatch, activa
   NaN there (forward and dlhs), and by kernels that read every row of their two operands (a NaN
   anywhere in them makes the whole result NaN). The routed experts' values and gradients still
   equal the dense reference: with the Pallas activation, which zeroes those rows of h and of
-  d gate_up itself (the grouped matmul then skips its select), and with XLA's, which keeps it."""
+  d gate_up itself (the grouped matmuls then skip their selects, forward and dlhs), and with
+  XLA's, which keeps them."""
   call_tokamax = moe._call_tokamax
 
   def unwritten_rows_nan(fn, *args, kernel, **kw):
