@@ -33,6 +33,8 @@ as it is known:
             initialisation (tracing, lowering, XLA's compile phases);
   profile_scopes   with --profile and --memory_report: the step's kernel time by model scope and
             by module kind, and the MoE's share of it against its share of the FLOPs;
+  gemms     with --profile and --memory_report: each matmul's FLOPs, time and TFLOP/s
+            (gemm_rates.py; with XLA's command buffers on, cuBLAS's GEMMs are not matched);
   profile   with --profile DIR: the top kernels by device time per step, from a jax.profiler
             trace of --profile_steps steps written under DIR/<case>;
   error     the case's error (first line), or its timeout; the driver goes on with the next case.
@@ -184,6 +186,21 @@ def top_host_events(logdir: str, top: int = 40) -> dict:
   row = lambda n, ns: [n[:160], round(ns / 1e9, 2)]
   return {"xla": [row(n, ns) for n, ns in events if not n.startswith("$")][:top],
           "python": [row(n, ns) for n, ns in events if n.startswith("$")][:top]}
+
+
+def gemm_report(logdir: str, dump_dir: str, steps: int, peak_tflops: float, top: int = 40) -> dict:
+  """gemm_rates.py's table of the step's matmuls (FLOPs, ms, TFLOP/s each); the trace's time per
+  instruction is also written to `logdir`/op_times.json for gemm_rates.py's command line."""
+  sys.path.insert(0, _HERE)
+  import gemm_rates
+  import hlo_memory
+  import trace_times
+  ops = trace_times.stream_hlo_op_times(logdir)
+  with open(os.path.join(logdir, "op_times.json"), "w") as f:
+    json.dump(ops, f)
+  _, hlo = hlo_memory.module_files(dump_dir, "train_step")
+  with open(hlo) as f:
+    return gemm_rates.gemm_rates(ops, f.read(), steps, peak_tflops, top)
 
 
 def scope_kernel_times(logdir: str, dump_dir: str, steps: int, model_cfg, seq_len: int,
@@ -393,6 +410,9 @@ def run_case(case: dict, args, process_start: float) -> dict:
       emit(event="profile_scopes", case=name, **scope_kernel_times(
           logdir, os.environ["K3JAX_BENCH_DUMP"], args.profile_steps, mcfg, seq_len,
           top=max(40, args.profile_top)))
+      emit(event="gemms", case=name, **gemm_report(logdir, os.environ["K3JAX_BENCH_DUMP"],
+                                                   args.profile_steps, args.peak_tflops,
+                                                   top=max(40, args.profile_top)))
   return row
 
 
