@@ -370,14 +370,20 @@ def _dense_routed(z, idx, w, wg, wu, wo, valid):
 @pytest.mark.parametrize("grouped,activation", [("tokamax", "xla"), ("ragged_dot", "xla"),
                                                 ("ragged_dot", "pallas")])
 def test_dropless_values_and_gradients_match_dense_reference(grouped, activation):
-  z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in _problem(7, n=24, experts=5, unused=2))
+  problem = _problem(7, n=24, experts=5, unused=2)
   valid = jnp.asarray(np.random.default_rng(8).random(24) > 0.25)
-  fn = default_ragged_dot(grouped)
-  cot = jax.random.normal(jax.random.PRNGKey(1), z.shape)
+  _check_against_dense(problem, valid, default_ragged_dot(grouped), activation, seed=1)
+
+
+def _check_against_dense(problem, valid, ragged_dot_fn, activation, seed):
+  """routed_experts' values and gradients (all five float inputs, a random cotangent) equal
+  `_dense_routed`'s."""
+  z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in problem)
+  cot = jax.random.normal(jax.random.PRNGKey(seed), z.shape)
 
   def ours(z, w, wg, wu, wo):
     return routed_experts(z, idx, w, wg, wu, wo, beta1=B1, beta2=B2, valid=valid,
-                          ragged_dot_fn=fn, activation=activation)[0]
+                          ragged_dot_fn=ragged_dot_fn, activation=activation)[0]
 
   args = (z, w, wg, wu, wo)
   np.testing.assert_allclose(jax.jit(ours)(*args), _dense_routed(z, idx, *args[1:], valid),
@@ -409,23 +415,9 @@ def test_tokamax_rows_past_the_groups_never_reach_the_result(monkeypatch, activa
 
   monkeypatch.setattr(moe, "_call_tokamax", unwritten_rows_nan)
   moe._tokamax_grouped_shared.clear_cache()    # a trace cached by another test would skip the patch
-  z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in _problem(11, n=20, experts=4))
   valid = jnp.asarray(np.arange(20) % 3 != 0)   # invalid tokens' rows sort past the groups
-  cot = jax.random.normal(jax.random.PRNGKey(3), z.shape)
-  fn = default_ragged_dot("tokamax")
-
-  def ours(z, w, wg, wu, wo):
-    return routed_experts(z, idx, w, wg, wu, wo, beta1=B1, beta2=B2, valid=valid,
-                          ragged_dot_fn=fn, activation=activation)[0]
-
-  args = (z, w, wg, wu, wo)
-  np.testing.assert_allclose(jax.jit(ours)(*args), _dense_routed(z, idx, *args[1:], valid),
-                             rtol=1e-5, atol=1e-5)
-  grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=tuple(range(5))))
-  g_ref = grad(lambda z, w, wg, wu, wo: _dense_routed(z, idx, w, wg, wu, wo, valid))(*args)
-  for name, a, b in zip(("z", "expert_weight", "w_gate", "w_up", "w_out"), grad(ours)(*args),
-                        g_ref):
-    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
+  _check_against_dense(_problem(11, n=20, experts=4), valid, default_ragged_dot("tokamax"),
+                       activation, seed=3)
   moe._tokamax_grouped_shared.clear_cache()    # nor may this test's traces reach another
 
 
