@@ -1,5 +1,5 @@
 r"""The step's matmuls one by one: FLOPs, device time and TFLOP/s of each, from a profile and the
-optimised HLO (train_bench.py --profile --memory_report --gemm_report).
+optimised HLO (train_bench.py --profile --memory_report: its `gemms` line).
 
 Each matmul kernel of the GPU trace carries the HLO instruction that launched it ('hlo_op'): a
 cuBLAS custom call (`__cublas$gemm`, `__cublas$lt$matmul`), a fusion whose computation holds a
