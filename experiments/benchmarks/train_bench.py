@@ -188,11 +188,11 @@ def top_host_events(logdir: str, top: int = 40) -> dict:
           "python": [row(n, ns) for n, ns in events if n.startswith("$")][:top]}
 
 
-def gemm_report(logdir: str, dump_dir: str, steps: int, peak_tflops: float, top: int = 40) -> dict:
-  """gemm_rates.py's table of the step's matmuls (FLOPs, ms, TFLOP/s each); the trace's time per
-  instruction is also written to `logdir`/op_times.json for gemm_rates.py's command line."""
+def profiled_step(logdir: str, dump_dir: str) -> tuple[dict, str]:
+  """(the trace's kernel time per HLO instruction, the step's optimised HLO text): what
+  `scope_kernel_times` and gemm_rates.py read, loaded once (medium.gin's HLO is ~30 MB). The
+  times are also written to `logdir`/op_times.json for gemm_rates.py's command line."""
   sys.path.insert(0, _HERE)
-  import gemm_rates
   import hlo_memory
   import trace_times
   ops = trace_times.stream_hlo_op_times(logdir)
@@ -200,10 +200,10 @@ def gemm_report(logdir: str, dump_dir: str, steps: int, peak_tflops: float, top:
     json.dump(ops, f)
   _, hlo = hlo_memory.module_files(dump_dir, "train_step")
   with open(hlo) as f:
-    return gemm_rates.gemm_rates(ops, f.read(), steps, peak_tflops, top)
+    return ops, f.read()
 
 
-def scope_kernel_times(logdir: str, dump_dir: str, steps: int, model_cfg, seq_len: int,
+def scope_kernel_times(ops: dict, hlo_text: str, steps: int, model_cfg, seq_len: int,
                        depth: int = 4, top: int = 40) -> dict:
   """{'top_scopes': [[scope, ms per step], ...], 'by_module': [[kind, ms per step, share], ...],
   'moe_time_share', 'moe_time_share_max', 'moe_flop_share'}: the step's kernel time attributed
@@ -215,14 +215,10 @@ def scope_kernel_times(logdir: str, dump_dir: str, steps: int, model_cfg, seq_le
   sys.path.insert(0, _HERE)
   import hlo_memory
   import kernel_scopes
-  import trace_times
   from k3jax import flops as flops_lib
-  ops = trace_times.stream_hlo_op_times(logdir)
   if not ops:
     return {"note": "no GPU kernels in the trace"}
-  _, hlo = hlo_memory.module_files(dump_dir, "train_step")
-  with open(hlo) as f:
-    info = hlo_memory.instruction_info(f.read())
+  info = hlo_memory.instruction_info(hlo_text)
   by_scope, by_kind = kernel_scopes.attribute(ops, info, depth)
   total = sum(ops.values())
   flops = flops_lib.forward_flops_breakdown(model_cfg, seq_len)
@@ -407,12 +403,12 @@ def run_case(case: dict, args, process_start: float) -> dict:
     emit(event="profile", case=name, logdir=logdir,
          **top_kernels(logdir, args.profile_steps, args.profile_top))
     if args.memory_report:
+      ops, hlo_text = profiled_step(logdir, os.environ["K3JAX_BENCH_DUMP"])
       emit(event="profile_scopes", case=name, **scope_kernel_times(
-          logdir, os.environ["K3JAX_BENCH_DUMP"], args.profile_steps, mcfg, seq_len,
-          top=max(40, args.profile_top)))
-      emit(event="gemms", case=name, **gemm_report(logdir, os.environ["K3JAX_BENCH_DUMP"],
-                                                   args.profile_steps, args.peak_tflops,
-                                                   top=max(40, args.profile_top)))
+          ops, hlo_text, args.profile_steps, mcfg, seq_len, top=max(40, args.profile_top)))
+      import gemm_rates   # on sys.path since profiled_step
+      emit(event="gemms", case=name, **gemm_rates.gemm_rates(
+          ops, hlo_text, args.profile_steps, args.peak_tflops, top=max(40, args.profile_top)))
   return row
 
 
