@@ -60,15 +60,22 @@ def _contracting(line: str) -> list[int]:
   return [int(d.strip('" ')) for d in m.group(1).split(",") if d.strip('" ')] if m else []
 
 
-def _dot_flops(line: str, out_shape: str, shapes: Mapping[str, str]) -> int:
-  """2 · |out| · K of a dot or GEMM instruction line (0 if its operands cannot be read)."""
+def _operands(line: str) -> list[str]:
+  """The operand names of a custom-call, fusion or dot instruction line."""
   ops = _OPERANDS.search(line)
-  names = _OPERAND_NAME.findall(ops.group(1)) if ops else []
+  return _OPERAND_NAME.findall(ops.group(1)) if ops else []
+
+
+def _dot(line: str, out_shape: str, shapes: Mapping[str, str]) -> tuple[int, str]:
+  """(2 · |out| · K, 'lhs shape x rhs shape') of a dot or GEMM instruction line; 0 FLOPs if its
+  operands cannot be read."""
+  names = _operands(line)
+  sig = " x ".join(shapes.get(o, "?").split("{")[0] for o in names[:2])
   if not names or names[0] not in shapes:
-    return 0
+    return 0, sig
   lhs = _dims(shapes[names[0]])
   k = math.prod(lhs[d] for d in _contracting(line) if d < len(lhs))
-  return 2 * math.prod(_dims(out_shape)) * k
+  return 2 * math.prod(_dims(out_shape)) * k, sig
 
 
 def matmul_flops(hlo_text: str) -> dict[str, tuple[int, str, str]]:
@@ -87,9 +94,8 @@ def matmul_flops(hlo_text: str) -> dict[str, tuple[int, str, str]]:
     for line in comps.get(comp, []):
       m = hlo_memory._INSTRUCTION.match(line)  # pylint: disable=protected-access
       if m and " dot(" in line:
-        total += _dot_flops(line, m.group(2), shapes)
-        ops = _OPERAND_NAME.findall(_OPERANDS.search(line).group(1))
-        sig = " x ".join(shapes.get(o, "?").split("{")[0] for o in ops[:2])
+        flops, sig = _dot(line, m.group(2), shapes)
+        total += flops
     return total, sig
 
   out = {}
@@ -102,9 +108,8 @@ def matmul_flops(hlo_text: str) -> dict[str, tuple[int, str, str]]:
       op = hlo_memory.OP_NAME.search(line)
       op_name = op.group(1) if op else ""
       if _GEMM_TARGET.search(line) or " dot(" in line:
-        ops = _OPERAND_NAME.findall(_OPERANDS.search(line).group(1))
-        sig = " x ".join(shapes.get(o, "?").split("{")[0] for o in ops[:2])
-        out[name] = (_dot_flops(line, shape, shapes), op_name, sig)
+        flops, sig = _dot(line, shape, shapes)
+        out[name] = (flops, op_name, sig)
       elif " fusion(" in line and (calls := _CALLS.search(line)):
         flops, sig = dots_of(calls.group(1))
         if flops:
@@ -122,8 +127,8 @@ def gemm_rates(op_ns: Mapping[str, int], hlo_text: str, steps: int, peak_tflops:
   flops = matmul_flops(hlo_text)
   rows, total_ns, total_flops, unmatched = [], 0, 0, 0
   for op, ns in op_ns.items():
-    key = op if op in flops else re.sub(r"_(\d+)$", r".\1", op)
-    if key not in flops:
+    key = kernel_scopes.instruction_of(op, flops)
+    if key is None:
       if kernel_scopes.kind_of_kernel_name(op) == "gemm (module unknown)":
         unmatched += ns
       continue

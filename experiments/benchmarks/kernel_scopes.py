@@ -58,6 +58,16 @@ def kind_of_kernel_name(name: str) -> str:
   return "unattributed kernels"
 
 
+def instruction_of(op: str, known) -> str | None:
+  """The HLO instruction of `known` (a mapping or set of instruction names) that trace name `op`
+  stands for: itself, or XLA's kernel name for it (a fusion 'loop_add_fusion.3' runs as
+  'loop_add_fusion_3'); None if neither is known."""
+  if op in known:
+    return op
+  dotted = re.sub(r"_(\d+)$", r".\1", op)
+  return dotted if dotted in known else None
+
+
 def attribute(op_ns: Mapping[str, int], info: Mapping[str, tuple], depth: int = 4
               ) -> tuple[collections.Counter, collections.Counter]:
   """(ns by scope, ns by module kind) of `op_ns` (HLO instruction or kernel name -> ns), with
@@ -66,7 +76,8 @@ def attribute(op_ns: Mapping[str, int], info: Mapping[str, tuple], depth: int = 
   'loop_add_fusion_3'), then classified by name."""
   by_scope, by_kind = collections.Counter(), collections.Counter()
   for op, ns in op_ns.items():
-    entry = info.get(op) or info.get(re.sub(r"_(\d+)$", r".\1", op))
+    key = instruction_of(op, info)
+    entry = info[key] if key is not None else None
     if entry is None or not entry[1]:
       kind = kind_of_kernel_name(op)
       by_scope[f"({kind}) {op[:48]}"] += ns
