@@ -8,8 +8,8 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
 
   vjp                k3jax's conv_silu: dy materialised in fp32, dx from shifted copies of it, one
                      reduction per tap for the kernel gradient.
-  pallas_bwd         conv_silu(..., backward='pallas'): the same forward, the backward as two Pallas
-                     kernels (pallas_kernels/short_conv; ModelConfig.kda_conv_backward = 'pallas').
+  pallas             conv_silu(..., backward='pallas'): the forward and the backward as Pallas kernels
+                     (pallas_kernels/short_conv; ModelConfig.kda_conv_backward = 'pallas').
   shifted_recompute  tried in session 16 and not adopted (1.7-1.8x slower on an H200, RESULTS.md
                      run 16): each of dx's W terms recomputes y and dy at its shift from the inputs,
                      so that nothing [B, T, C] is materialised; XLA's fused kernel is then bound by
@@ -17,8 +17,8 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
   autodiff           jax.grad of causal_conv1d then silu (what the layer ran before its VJP).
 
 Run (one GPU): PYTHONPATH=. python experiments/benchmarks/conv_bench.py;  --smoke: tiny, on CPU.
---sweep=32:128:8:4:1,64:128:4:4:1,...: the backward alone, XLA's against the Pallas kernels at
-each block_t:block_c:tiles_per_program:num_warps:num_stages.
+--sweep=32:128:8:4:1,64:128:4:4:1,...: the forward alone and the backward alone, XLA's against the
+Pallas kernels at each block_t:block_c:tiles_per_program:num_warps:num_stages.
 """
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _pallas(x, kernel, segment_ids, out_dtype):
   return conv.conv_silu(x, kernel, segment_ids, out_dtype, backward="pallas")
 
 
-VARIANTS = {"vjp": conv.conv_silu, "pallas_bwd": _pallas, "shifted_recompute": _shifted_recompute,
+VARIANTS = {"vjp": conv.conv_silu, "pallas": _pallas, "shifted_recompute": _shifted_recompute,
             "autodiff": _autodiff}
 
 
@@ -126,35 +126,43 @@ def time_ms(fn, args, reps: int, batches: int = 5) -> float:
   return statistics.median(ts)
 
 
-def sweep_backward(x, kernel, seg, dout, configs: str, reps: int):
-  """Times the backward alone (given x, the kernel, segment ids and dout): XLA's (`conv_silu`'s
-  default), the pad the Pallas kernels' wrapper adds (W-1 rows before x), and the kernels at each
-  config."""
+def sweep(x, kernel, seg, dout, configs: str, reps: int):
+  """Times the forward alone (x, the kernel and segment ids to the output) and the backward alone
+  (given x, the kernel, segment ids and dout): XLA's (`conv_silu`'s default), the W-1-row pad
+  that XLA's forward materialises, and the Pallas kernels at each config; each result's largest
+  difference from XLA's."""
   b, t, c = x.shape
-  xla = jax.jit(lambda x, k, s, d: conv._conv_silu_bwd(jnp.bfloat16, (x, k, s), d)[:2])
-  ref = xla(x, kernel, seg, dout)
-  rows = [("xla", None, xla)]
+  xla_fwd = jax.jit(lambda x, k, s: conv._conv_silu_fwd(x, k, s, jnp.bfloat16)[0])
+  xla_bwd = jax.jit(lambda x, k, s, d: conv._conv_silu_bwd(jnp.bfloat16, (x, k, s), d)[:2])
   halo = kernel.shape[0] - 1
   pads = jax.jit(lambda x: jnp.pad(x, ((0, 0), (halo, 0), (0, 0))))
   print(json.dumps(dict(kind="sweep", what="pads_only", B=b, T=t, C=c,
                         ms=round(time_ms(pads, (x,), reps), 4))), flush=True)
+  rows = [("xla", xla_fwd, xla_bwd)]
   for text in configs.split(","):
     bt, bc, tiles, warps, stages = (int(v) for v in text.split(":"))
     cfg = short_conv.ConvConfig(block_t=bt, block_c=bc, tiles_per_program=tiles,
                                 launch=(warps, stages),
                                 interpret=jax.default_backend() == "cpu")
-    rows.append((text, cfg, jax.jit(functools.partial(short_conv.conv_silu_bwd, config=cfg))))
-  for name, cfg, fn in rows:
-    try:
-      ms = time_ms(fn, (x, kernel, seg, dout), reps)
-      out = fn(x, kernel, seg, dout)
-      err = [float(np.max(np.abs(np.asarray(o, np.float32) - np.asarray(r, np.float32))))
-             for o, r in zip(out, ref)]
-      print(json.dumps(dict(kind="sweep", what=name, B=b, T=t, C=c, ms=round(ms, 4),
-                            max_abs_diff_vs_xla=err)), flush=True)
-    except Exception as e:  # a config that does not lower (shared memory, registers) is reported
-      print(json.dumps(dict(kind="sweep", what=name, B=b, T=t, C=c,
-                            error=f"{type(e).__name__}: {str(e)[:300]}")), flush=True)
+    rows.append((text,
+                 jax.jit(lambda x, k, s, cfg=cfg: short_conv.conv_silu_fwd(x, k, s, jnp.bfloat16,
+                                                                           cfg)),
+                 jax.jit(functools.partial(short_conv.conv_silu_bwd, config=cfg))))
+  ref_fwd, ref_bwd = xla_fwd(x, kernel, seg), xla_bwd(x, kernel, seg, dout)
+  for name, fwd, bwd in rows:
+    for direction, fn, args, ref in (("fwd", fwd, (x, kernel, seg), (ref_fwd,)),
+                                     ("bwd", bwd, (x, kernel, seg, dout), ref_bwd)):
+      try:
+        ms = time_ms(fn, args, reps)
+        out = fn(*args)
+        out = (out,) if direction == "fwd" else out
+        err = [float(np.max(np.abs(np.asarray(o, np.float32) - np.asarray(r, np.float32))))
+               for o, r in zip(out, ref)]
+        print(json.dumps(dict(kind="sweep", what=name, direction=direction, B=b, T=t, C=c,
+                              ms=round(ms, 4), max_abs_diff_vs_xla=err)), flush=True)
+      except Exception as e:  # a config that does not lower (shared memory, registers) is reported
+        print(json.dumps(dict(kind="sweep", what=name, direction=direction, B=b, T=t, C=c,
+                              error=f"{type(e).__name__}: {str(e)[:300]}")), flush=True)
 
 
 def main():
@@ -163,7 +171,8 @@ def main():
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--smoke", action="store_true", help="2 x 64 x 16 on CPU, 2 reps")
   p.add_argument("--sweep", default="",
-                 help="backward alone: XLA's against the Pallas kernels at each block_t:block_c:"
+                 help="forward and backward alone: XLA's against the Pallas kernels at each "
+                      "block_t:block_c:"
                       "tiles_per_program:num_warps:num_stages of this comma list (skips the "
                       "variants above)")
   args = p.parse_args()
@@ -179,7 +188,7 @@ def main():
     cot = jax.random.normal(keys[2], (b, t, c), jnp.float32).astype(jnp.bfloat16)
     seg = jnp.asarray(packed_segments(b, t, min(8192, t // 2)))
     if args.sweep:
-      sweep_backward(x, kernel.astype(jnp.bfloat16), seg, cot, args.sweep, args.reps)
+      sweep(x, kernel.astype(jnp.bfloat16), seg, cot, args.sweep, args.reps)
       continue
     grads = {}
     for name, f in VARIANTS.items():
@@ -191,7 +200,7 @@ def main():
       grads[name] = fn(x, kernel)[1]
       print(json.dumps(dict(kind="time", variant=name, B=b, T=t, C=c, ms=round(ms, 4))), flush=True)
     # Each VJP's gradients against autodiff's (all from bf16 inputs, fp32 math).
-    for name in ("vjp", "pallas_bwd", "shifted_recompute"):
+    for name in ("vjp", "pallas", "shifted_recompute"):
       for i, g in enumerate(("dx", "dkernel")):
         a = np.asarray(grads[name][i], np.float32)
         r = np.asarray(grads["autodiff"][i], np.float32)

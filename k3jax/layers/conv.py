@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from k3jax import sharding
 from k3jax.layers.common import logical_param
 from k3jax.ops.kernel_choice import pallas_or_xla
-from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd
+from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd, conv_silu_fwd
 
 
 def causal_conv1d(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array] = None,
@@ -150,15 +150,30 @@ def _conv_silu(x, kernel, segment_ids, out_dtype):
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
-def _conv_silu_pallas_bwd(out_dtype, residuals, dout):
-  """`_conv_silu_bwd`'s math as two Pallas kernels (pallas_kernels/short_conv), interpreted on CPU.
+def _pallas_config() -> ConvConfig:
+  return ConvConfig(interpret=jax.default_backend() == "cpu")
 
-  Under a mesh that shards the batch, each device runs the kernels on its own rows
+
+def _conv_silu_pallas_fwd(x, kernel, segment_ids, out_dtype):
+  """`_conv_silu_fwd`'s output from the Pallas kernel (pallas_kernels/short_conv), which reads x
+  where it lies (no padded copy), interpreted on CPU; each device runs it on its own rows under a
+  mesh that shards the batch (`sharding.map_over_batch_shards`)."""
+  config = _pallas_config()
+  out = sharding.map_over_batch_shards(
+      lambda kernel, x, segment_ids: conv_silu_fwd(x, kernel, segment_ids, out_dtype, config),
+      x, segment_ids, shared=(kernel,))
+  return out, (x, kernel, segment_ids)
+
+
+def _conv_silu_pallas_bwd(out_dtype, residuals, dout):
+  """`_conv_silu_bwd`'s math as one Pallas kernel (pallas_kernels/short_conv), interpreted on CPU.
+
+  Under a mesh that shards the batch, each device runs the kernel on its own rows
   (`sharding.map_over_batch_shards`; XLA would otherwise gather the batch onto every device) and
   the kernel's gradient is the sum of the devices' partial sums."""
   del out_dtype
   x, kernel, segment_ids = residuals
-  config = ConvConfig(interpret=jax.default_backend() == "cpu")
+  config = _pallas_config()
 
   def local(kernel, x, segment_ids, dout):
     dx, dkernel = conv_silu_bwd(x, kernel, segment_ids, dout, config)
@@ -170,10 +185,10 @@ def _conv_silu_pallas_bwd(out_dtype, residuals, dout):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _conv_silu_pallas(x, kernel, segment_ids, out_dtype):
-  return _conv_silu_fwd(x, kernel, segment_ids, out_dtype)[0]
+  return _conv_silu_pallas_fwd(x, kernel, segment_ids, out_dtype)[0]
 
 
-_conv_silu_pallas.defvjp(_conv_silu_fwd, _conv_silu_pallas_bwd)
+_conv_silu_pallas.defvjp(_conv_silu_pallas_fwd, _conv_silu_pallas_bwd)
 BACKWARDS = {"xla": _conv_silu, "pallas": _conv_silu_pallas}
 
 
@@ -181,9 +196,10 @@ def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
               out_dtype, backward: str = "xla") -> jax.Array:
   """silu(causal_conv1d(x, kernel, segment_ids)) in `out_dtype`, for training (no state).
 
-  backward: 'xla' (`_conv_silu_bwd`), 'pallas' (the same math in two Pallas kernels,
-  `pallas_kernels.short_conv.conv_silu_bwd`) or 'auto' (`k3jax.ops.kernel_choice.pallas_or_xla`:
-  'pallas' on a GPU); the forward is the same XLA computation.
+  backward: 'xla' (XLA's forward and `_conv_silu_bwd`), 'pallas' (the same math as Pallas
+  kernels, forward and backward: `pallas_kernels.short_conv`) or 'auto'
+  (`k3jax.ops.kernel_choice.pallas_or_xla`: 'pallas' on a GPU). The setting's name is older than
+  the forward kernel: it picks both.
 
   x [B, T, C]; kernel [W, C]; segment_ids [B, T] int or None. The same values as the two-step
   computation (fp32 math), with a hand-written VJP that keeps only x (in its dtype), the kernel

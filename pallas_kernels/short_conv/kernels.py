@@ -1,23 +1,32 @@
-"""The backward of the KDA layer's short convolution + SiLU as two Pallas kernels (Triton lowering).
+"""The KDA layer's short convolution + SiLU, forward and backward, as Pallas kernels (Triton lowering).
 
-Forward (`k3jax.layers.conv.conv_silu`): y[t, c] = Σ_j w[W-1-j, c] · m_j[t] · x[t-j, c],
-out = silu(y), m_j[t] = 1 when t is a token (segment id ≠ 0) and x[t-j] lies in its segment.
-Backward, with dy[t] = dout[t] · silu'(y[t]) and silu'(y) = σ(y)(1 + y(1 − σ(y))):
+Forward: y[t, c] = Σ_j w[W-1-j, c] · m_j[t] · x[t-j, c], out = silu(y), m_j[t] = 1 when t is a token
+(segment id ≠ 0) and x[t-j] lies in its segment. Backward, with dy[t] = dout[t] · silu'(y[t]) and
+silu'(y) = σ(y)(1 + y(1 − σ(y))):
 
   dw[W-1-i]    = Σ_{b,t} m_i[t] · dy[t] · x[t-i]
   dx[t]        = Σ_i w[W-1-i] · m_i[t+i] · dy[t+i],   m_i[t+i] = (seg[t+i] ≠ 0) · (seg[t] = seg[t+i])
 
-Kernel 1 (`_dy_dw_kernel`) recomputes y from x at the W shifts t, t-1, .., t-W+1, writes dy once
-(fp32) and its program's partial sums of dw ([W, block_c] fp32 over `tiles_per_program` tiles;
-the caller sums the programs'). Kernel 2 (`_dx_kernel`) reads dy at the W shifts t .. t+W-1 (the
-neighbouring rows come from the cache) and writes dx. Each element's sigmoid is computed once.
-A single kernel that recomputed dy at every shift dx needs (run 17: 2W-1 shifted x tiles and W
-sigmoids per element live at once) spilled registers and ran slower than XLA's fusion.
+Both kernels read x, the segment ids and dout where they lie: the W-1 rows before a tile and the
+rows past the row's end are masked loads (positions outside [0, T) read as padding), so no padded
+copy of any [B, T, C] array is made. Each program walks `tiles_per_program` tiles of block_t
+tokens × block_c channels.
 
-Inputs arrive padded by `conv_silu_bwd`: W-1 zero rows before x and the segment ids (0 = padding,
-so the masks drop them), T to whole programs, C to whole tiles; dy has one program's rows of zeros
-after the row's end, so that dx's shifted reads stay inside the array; the kernel's W rows are
-padded to a power of two (Triton's blocks are powers of two), the extra rows zero.
+The backward is one kernel. dx[t] needs dy at t .. t+W-1, and Triton cannot shift rows of a value
+held in registers, so each tile computes dy for its block_t rows and for the W-1 rows after them
+(a second, small tile: those rows' dy is computed twice, by this tile and the next), writes both
+into the program's own scratch rows (global memory that stays in L1/L2: one [block_t + Wp, block_c]
+fp32 slot a program, reused by its tiles), and reads them back at the W shifts after a barrier.
+dy never makes a round trip through memory at full size (the two-kernel version it replaces wrote
+dy in fp32 and read it back: ≈ 3× the bytes of x, dout and dx), and y's sigmoid is computed once
+per element (plus the W-1 extra rows a tile). The program's partial sums of dw stay in registers
+over its tiles (a [block_t, block_c] fp32 tile per tap, summed over rows at the end; [Wp, block_c]
+a program, which the caller adds).
+
+In the Pallas interpreter (CPU) the inputs are padded instead (the interpreter clamps a slice
+that starts before an array), and the barriers are left out (its programs run one at a time).
+The kernel's W rows are padded to a power of two (Triton's blocks are powers of two), the extra
+rows zero.
 """
 
 from __future__ import annotations
@@ -38,9 +47,10 @@ class ConvConfig:
   """Tile sizes (powers of two) and the Triton launch; the interpreter ignores the launch.
 
   Attributes:
-    block_t: tokens per tile (raised to the next power of two >= W when smaller). block_c: channels per tile.
-    tiles_per_program: kernel 1's tiles of block_t tokens per program (its dw partial sums stay in
-      registers across them: fewer partial sums for the caller to add).
+    block_t: tokens per tile (raised to the next power of two >= W when smaller).
+    block_c: channels per tile.
+    tiles_per_program: tiles of block_t tokens per program (the backward's partial sums of dw and
+      its scratch slot are the program's: fewer of both with more tiles).
     launch: (num_warps, num_stages) of both kernels. interpret: run in the Pallas interpreter (CPU).
   """
   block_t: int = 32
@@ -53,67 +63,210 @@ class ConvConfig:
     check_powers_of_two(self, "block_t", "block_c", "tiles_per_program")
 
 
-def _sigmoid(y):
-  return 1.0 / (1.0 + jnp.exp(-y))
+def _sigmoid(y, fast: bool):
+  """1 / (1 + e^-y); `fast` (compiled): the reciprocal as one `rcp.approx` instruction (≤ 1 ulp
+  from the rounded quotient) instead of Triton's IEEE division."""
+  d = 1.0 + jnp.exp(-y)
+  if not fast:
+    return 1.0 / d
+  return pl_triton.elementwise_inline_asm(
+      "rcp.approx.ftz.f32 $0, $1;", args=[d], constraints="=r,r", pack=1,
+      result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])[0]
 
 
-def _dy_dw_kernel(x_ref, seg_ref, dout_ref, w_ref, dy_ref, dw_ref, *, width: int, block_t: int,
-                  tiles: int, programs: int):
-  """x_ref [h + Tp, bc] (h = W - 1 zero rows first), seg_ref [h + Tp + R] int32, dout_ref [Tp, bc],
-  w_ref [Wp, bc]; dy_ref [R, bc] fp32 (R = tiles · block_t rows of this program); dw_ref [Wp, bc]
-  fp32, this program's partial sums. The program after the last writes zeros (dy's tail)."""
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+  """Where a program's rows lie in its refs. t_len: the row's tokens T; off: the zero rows before
+  x and the segment ids in their refs (W-1 in the interpreter, else 0); masked: load with masks
+  (compiled) rather than from padded arrays (interpreter)."""
+  t_len: int
+  off: int
+  masked: bool
+
+
+def _load_rows(ref, start, n, rows: _Rows, off: int, fill):
+  """ref[off + start + r] for r < n (rows of a [T, ...] ref); positions outside [0, T) read as
+  `fill` (their values are never used unmasked)."""
+  if not rows.masked:
+    value = ref[pl.ds(off + start, n)]
+    pos = start + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+    ok = (pos >= 0) & (pos < rows.t_len)
+    return jnp.where(ok.reshape((n,) + (1,) * (value.ndim - 1)), value, fill)
+  pos = start + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
+  ok = (pos >= 0) & (pos < rows.t_len)
+  block = ref.at[pl.ds(off + start, n)]
+  mask = ok if len(block.shape) == 1 else ok[:, None]
+  if len(block.shape) > 1:
+    mask = jnp.broadcast_to(mask, block.shape)
+  return pl_triton.load(block, mask=mask, other=fill)
+
+
+def _conv_rows(x_ref, seg_ref, w, start, n, width, rows: _Rows):
+  """y for the n tokens from `start` (fp32 [n, bc]), with what the backward reuses: the shifted
+  inputs xs[j] = x[t-j] (fp32) and masks[j] = m_j[t] ([n, 1] bool)."""
+  here = _load_rows(seg_ref, start, n, rows, rows.off, 0)
+  valid = here != 0
+  xs, masks, y = [], [], None
+  for j in range(width):   # j = how many tokens back
+    m = valid if j == 0 else valid & (
+        _load_rows(seg_ref, start - j, n, rows, rows.off, 0) == here)
+    xj = _load_rows(x_ref, start - j, n, rows, rows.off, 0.0).astype(jnp.float32)
+    term = w[width - 1 - j] * jnp.where(m[:, None], xj, 0.0)
+    y = term if y is None else y + term
+    xs.append(xj)
+    masks.append(m[:, None])
+  return y, xs, masks
+
+
+def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, block_t: int, tiles: int,
+                rows: _Rows):
+  """x_ref [off + T (+ pad), bc], seg_ref [off + T (+ pad)] int32, w_ref [Wp, bc];
+  o_ref [tiles · block_t, bc], this program's tokens."""
+  w = [w_ref[k, :].astype(jnp.float32)[None, :] for k in range(width)]
+  base = pl.program_id(1) * tiles * block_t
+
+  def tile(s, carry):
+    y, _, _ = _conv_rows(x_ref, seg_ref, w, base + s * block_t, block_t, width, rows)
+    o_ref[pl.ds(s * block_t, block_t), :] = (y * _sigmoid(y, rows.masked)).astype(o_ref.dtype)
+    return carry
+
+  jax.lax.fori_loop(0, tiles, tile, 0)
+
+
+def _dy_rows(x_ref, seg_ref, dout_ref, w, start, n, width, rows: _Rows):
+  """dy for the n tokens from `start` ([n, bc] fp32) and `_conv_rows`' xs, masks."""
+  y, xs, masks = _conv_rows(x_ref, seg_ref, w, start, n, width, rows)
+  sig = _sigmoid(y, rows.masked)
+  dout = _load_rows(dout_ref, start, n, rows, 0, 0.0).astype(jnp.float32)
+  return dout * sig * (1.0 + y * (1.0 - sig)), xs, masks
+
+
+def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, scratch_ref, *, width: int,
+                block_t: int, halo_t: int, tiles: int, rows: _Rows):
+  """x_ref [off + T (+ pad), bc], seg_ref [off + T (+ pad)] int32, dout_ref [T (+ pad), bc],
+  w_ref [Wp, bc]; dx_ref [tiles · block_t, bc] (this program's tokens); dw_ref [Wp, bc] fp32, this
+  program's partial sums; scratch_ref [block_t + halo_t, bc] fp32, this program's slot."""
+  barrier = (lambda: None) if not rows.masked else pl_triton.debug_barrier
+  w = [w_ref[k, :].astype(jnp.float32)[None, :] for k in range(width)]
+  base = pl.program_id(1) * tiles * block_t
+
+  def tile(s, dw):
+    t0 = base + s * block_t
+    dy, xs, masks = _dy_rows(x_ref, seg_ref, dout_ref, w, t0, block_t, width, rows)
+    dy_next, _, _ = _dy_rows(x_ref, seg_ref, dout_ref, w, t0 + block_t, halo_t, width, rows)
+    barrier()   # the previous tile's reads of the slot are done
+    scratch_ref[pl.ds(0, block_t), :] = dy
+    scratch_ref[pl.ds(block_t, halo_t), :] = dy_next
+    barrier()   # the slot holds dy for rows t0 .. t0 + block_t + halo_t - 1
+    here = _load_rows(seg_ref, t0, block_t, rows, rows.off, 0)
+    dx = None
+    for i in range(width):
+      ahead = _load_rows(seg_ref, t0 + i, block_t, rows, rows.off, 0)
+      m = (ahead != 0) & (ahead == here)
+      term = w[width - 1 - i] * jnp.where(m[:, None], scratch_ref[pl.ds(i, block_t), :], 0.0)
+      dx = term if dx is None else dx + term
+    dx_ref[pl.ds(s * block_t, block_t), :] = dx.astype(dx_ref.dtype)
+    # Summed over the tile's rows once, after the last tile: a column sum of a register tile is a
+    # reduction across warps.
+    return tuple(dw[j] + jnp.where(masks[j], dy * xs[j], 0.0) for j in range(width))
+
+  acc = jnp.zeros((block_t, dw_ref.shape[1]), jnp.float32)
+  dw = jax.lax.fori_loop(0, tiles, tile, (acc,) * width)
+  for j in range(width):   # tap j weighs w[W-1-j]
+    dw_ref[width - 1 - j, :] = jnp.sum(dw[j], axis=0)
+  for k in range(width, dw_ref.shape[0]):
+    dw_ref[k, :] = jnp.zeros((dw_ref.shape[1],), jnp.float32)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+  """The tiling of one call: bt × bc tiles, `tiles` a program, `programs` programs along T;
+  tp / cp / wp: T, C and W padded to whole programs, tiles and a power of two."""
+  bt: int
+  bc: int
+  tiles: int
+  programs: int
+  tp: int
+  cp: int
+  wp: int
+  halo_t: int
+
+
+def _layout(t: int, c: int, width: int, config: ConvConfig) -> _Layout:
+  bt = max(min(config.block_t, pl.next_power_of_2(t)), pl.next_power_of_2(width))
+  bc = min(config.block_c, pl.next_power_of_2(c))
+  tiles = min(config.tiles_per_program, pl.cdiv(t, bt))
+  programs = pl.cdiv(t, tiles * bt)
+  return _Layout(bt=bt, bc=bc, tiles=tiles, programs=programs, tp=programs * tiles * bt,
+                 cp=pl.cdiv(c, bc) * bc, wp=pl.next_power_of_2(width),
+                 halo_t=pl.next_power_of_2(max(width - 1, 1)))
+
+
+def _check(name, x, kernel, segment_ids, other=None):
+  b, t, c = x.shape
+  width = kernel.shape[0]
+  if kernel.shape != (width, c) or (other is not None and other.shape != x.shape):
+    raise ValueError(f"{name}: x {x.shape}, kernel {kernel.shape}"
+                     + ("" if other is None else f" and dout {other.shape}")
+                     + " do not fit ([B, T, C], [W, C]" + ("" if other is None else ", [B, T, C]")
+                     + ")")
+  if segment_ids is None:
+    segment_ids = jnp.ones((b, t), jnp.int32)
+  if segment_ids.shape != (b, t):
+    raise ValueError(f"{name}: segment_ids must be [B, T] = {(b, t)}, got {segment_ids.shape}")
+  return segment_ids.astype(jnp.int32)
+
+
+def _operands(x, kernel, seg, lay: _Layout, interpret: bool, dout=None):
+  """(x, seg, dout, kernel, rows) as the kernels read them: padded in the interpreter (W-1 rows
+  before, whole programs and a halo tile after), only the channels and W padded when compiled."""
+  b, t, c = x.shape
+  width = kernel.shape[0]
   halo = width - 1
-  r = pl.program_id(1)
-
-  @pl.when(r == programs)
-  def _():
-    dy_ref[...] = jnp.zeros(dy_ref.shape, jnp.float32)
-    dw_ref[...] = jnp.zeros(dw_ref.shape, jnp.float32)
-
-  @pl.when(r < programs)
-  def _():
-    w = [w_ref[k, :].astype(jnp.float32)[None, :] for k in range(width)]
-
-    def tile(s, dw):
-      t0 = r * tiles * block_t + s * block_t
-      here = seg_ref[pl.ds(halo + t0, block_t)]
-      valid = here != 0
-      masks, xs = [], []
-      for j in range(width):   # j = how many tokens back
-        m = valid if j == 0 else valid & (seg_ref[pl.ds(halo + t0 - j, block_t)] == here)
-        masks.append(m[:, None])
-        xs.append(x_ref[pl.ds(halo + t0 - j, block_t), :].astype(jnp.float32))
-      y = w[width - 1] * jnp.where(masks[0], xs[0], 0.0)
-      for j in range(1, width):
-        y = y + w[width - 1 - j] * jnp.where(masks[j], xs[j], 0.0)
-      sig = _sigmoid(y)
-      dout = dout_ref[pl.ds(t0, block_t), :].astype(jnp.float32)
-      dy = dout * sig * (1.0 + y * (1.0 - sig))
-      dy_ref[pl.ds(s * block_t, block_t), :] = dy
-      return tuple(dw[j] + jnp.sum(jnp.where(masks[j], dy * xs[j], 0.0), axis=0)
-                   for j in range(width))
-
-    zero = jnp.zeros((dw_ref.shape[1],), jnp.float32)
-    dw = jax.lax.fori_loop(0, tiles, tile, (zero,) * width)
-    for j in range(width):   # tap j weighs w[W-1-j]
-      dw_ref[width - 1 - j, :] = dw[j]
-    for k in range(width, dw_ref.shape[0]):
-      dw_ref[k, :] = zero
+  pad_c = lay.cp - c
+  w = jnp.pad(kernel, ((0, lay.wp - width), (0, pad_c)))
+  if interpret:
+    after = lay.tp + lay.halo_t - t
+    x = jnp.pad(x, ((0, 0), (halo, after), (0, pad_c)))
+    seg = jnp.pad(seg, ((0, 0), (halo, after)))
+    dout = None if dout is None else jnp.pad(dout, ((0, 0), (0, after), (0, pad_c)))
+    return x, seg, dout, w, _Rows(t_len=t, off=halo, masked=False)
+  if pad_c:
+    x = jnp.pad(x, ((0, 0), (0, 0), (0, pad_c)))
+    dout = None if dout is None else jnp.pad(dout, ((0, 0), (0, 0), (0, pad_c)))
+  return x, seg, dout, w, _Rows(t_len=t, off=0, masked=True)
 
 
-def _dx_kernel(dy_ref, seg_ref, w_ref, dx_ref, *, width: int, block_t: int):
-  """dy_ref [Tp + R, bc] fp32, seg_ref [h + Tp + R] int32, w_ref [Wp, bc]; dx_ref [bt, bc]."""
-  halo = width - 1
-  t0 = pl.program_id(1) * block_t
-  here = seg_ref[pl.ds(halo + t0, block_t)]
-  dx = None
-  for i in range(width):
-    ahead = seg_ref[pl.ds(halo + t0 + i, block_t)]
-    m = (ahead != 0) & (ahead == here)
-    term = w_ref[width - 1 - i, :].astype(jnp.float32)[None, :] * jnp.where(
-        m[:, None], dy_ref[pl.ds(t0 + i, block_t), :], 0.0)
-    dx = term if dx is None else dx + term
-  dx_ref[...] = dx.astype(dx_ref.dtype)
+def _params(config: ConvConfig) -> dict:
+  if config.interpret:
+    return {}
+  return dict(compiler_params=pl_triton.CompilerParams(num_warps=config.launch[0],
+                                                       num_stages=config.launch[1]))
+
+
+def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
+                  config: ConvConfig = ConvConfig()) -> jax.Array:
+  """silu(causal depthwise conv(x, kernel)) (module docstring) in `out_dtype`, the math in fp32.
+
+  x [B, T, C]; kernel [W, C] (kernel[W-1] weighs the current token); segment_ids [B, T] int
+  (0 = padding) or None (one document a row). Returns [B, T, C].
+  """
+  seg = _check("conv_silu_fwd", x, kernel, segment_ids)
+  b, t, c = x.shape
+  width = kernel.shape[0]
+  lay = _layout(t, c, width, config)
+  xs, seg, _, w, rows = _operands(x, kernel, seg, lay, config.interpret)
+  row_spec = pl.BlockSpec((None, xs.shape[1], lay.bc), lambda bi, ti, ci: (bi, 0, ci))
+  out = pl.pallas_call(
+      functools.partial(_fwd_kernel, width=width, block_t=lay.bt, tiles=lay.tiles, rows=rows),
+      grid=(b, lay.programs, lay.cp // lay.bc),
+      in_specs=[row_spec, pl.BlockSpec((None, seg.shape[1]), lambda bi, ti, ci: (bi, 0)),
+                pl.BlockSpec((lay.wp, lay.bc), lambda bi, ti, ci: (0, ci))],
+      out_specs=pl.BlockSpec((None, lay.tiles * lay.bt, lay.bc), lambda bi, ti, ci: (bi, ti, ci)),
+      out_shape=result_like(x, (b, lay.tp, lay.cp), out_dtype),
+      interpret=config.interpret, name="short_conv_silu_fwd", **_params(config),
+  )(xs, seg, w)
+  return out[:, :t, :c]
 
 
 def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
@@ -124,54 +277,26 @@ def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
   (0 = padding) or None (one document a row); dout [B, T, C]. Returns dx [B, T, C] in x.dtype and
   dkernel [W, C] in kernel.dtype; the math in fp32.
   """
+  seg = _check("conv_silu_bwd", x, kernel, segment_ids, dout)
   b, t, c = x.shape
   width = kernel.shape[0]
-  if kernel.shape != (width, c) or dout.shape != x.shape:
-    raise ValueError(f"conv_silu_bwd: x {x.shape}, kernel {kernel.shape} and dout {dout.shape} "
-                     "do not fit ([B, T, C], [W, C], [B, T, C])")
-  if segment_ids is None:
-    segment_ids = jnp.ones((b, t), jnp.int32)
-  if segment_ids.shape != (b, t):
-    raise ValueError(f"conv_silu_bwd: segment_ids must be [B, T] = {(b, t)}, got "
-                     f"{segment_ids.shape}")
-  halo = width - 1
-  # dx's shifted reads of dy reach W - 1 rows past a tile: at most one tile's rows.
-  bt = max(min(config.block_t, pl.next_power_of_2(t)), pl.next_power_of_2(width))
-  bc = min(config.block_c, pl.next_power_of_2(c))
-  tiles = min(config.tiles_per_program, pl.cdiv(t, bt))
-  rows = tiles * bt                                   # kernel 1's rows per program
-  programs = pl.cdiv(t, rows)
-  tp, cp, wp = programs * rows, pl.cdiv(c, bc) * bc, pl.next_power_of_2(width)
-  x_pad = jnp.pad(x, ((0, 0), (halo, tp - t), (0, cp - c)))
-  seg_pad = jnp.pad(segment_ids.astype(jnp.int32), ((0, 0), (halo, tp - t + rows)))
-  dout_pad = jnp.pad(dout, ((0, 0), (0, tp - t), (0, cp - c)))
-  w_pad = jnp.pad(kernel, ((0, wp - width), (0, cp - c)))
-  params = {} if config.interpret else dict(compiler_params=pl_triton.CompilerParams(
-      num_warps=config.launch[0], num_stages=config.launch[1]))
-  row_spec = lambda n: pl.BlockSpec((None, n, bc), lambda bi, ti, ci: (bi, 0, ci))
-  seg_spec = pl.BlockSpec((None, halo + tp + rows), lambda bi, ti, ci: (bi, 0))
-  w_spec = pl.BlockSpec((wp, bc), lambda bi, ti, ci: (0, ci))
-  dy, dw = pl.pallas_call(
-      functools.partial(_dy_dw_kernel, width=width, block_t=bt, tiles=tiles, programs=programs),
-      grid=(b, programs + 1, cp // bc),
-      in_specs=[row_spec(halo + tp), seg_spec, row_spec(tp), w_spec],
-      out_specs=[pl.BlockSpec((None, rows, bc), lambda bi, ti, ci: (bi, ti, ci)),
-                 pl.BlockSpec((None, None, wp, bc), lambda bi, ti, ci: (bi, ti, 0, ci))],
-      out_shape=[result_like(x, (b, tp + rows, cp), jnp.float32),
-                 result_like(x, (b, programs + 1, wp, cp), jnp.float32)],
-      interpret=config.interpret,
-      name="short_conv_silu_dy_dw",
-      **params,
-  )(x_pad, seg_pad, dout_pad, w_pad)
-  dx = pl.pallas_call(
-      functools.partial(_dx_kernel, width=width, block_t=bt),
-      grid=(b, tp // bt, cp // bc),
-      in_specs=[row_spec(tp + rows), seg_spec, w_spec],
-      out_specs=pl.BlockSpec((None, bt, bc), lambda bi, ti, ci: (bi, ti, ci)),
-      out_shape=result_like(x, (b, tp, cp), x.dtype),
-      interpret=config.interpret,
-      name="short_conv_silu_dx",
-      **params,
-  )(dy, seg_pad, w_pad)
+  lay = _layout(t, c, width, config)
+  xs, seg, douts, w, rows = _operands(x, kernel, seg, lay, config.interpret, dout)
+  spec = lambda n: pl.BlockSpec((None, n, lay.bc), lambda bi, ti, ci: (bi, 0, ci))
+  slot = lay.bt + lay.halo_t
+  dx, dw, _ = pl.pallas_call(
+      functools.partial(_bwd_kernel, width=width, block_t=lay.bt, halo_t=lay.halo_t,
+                        tiles=lay.tiles, rows=rows),
+      grid=(b, lay.programs, lay.cp // lay.bc),
+      in_specs=[spec(xs.shape[1]), pl.BlockSpec((None, seg.shape[1]), lambda bi, ti, ci: (bi, 0)),
+                spec(douts.shape[1]), pl.BlockSpec((lay.wp, lay.bc), lambda bi, ti, ci: (0, ci))],
+      out_specs=[pl.BlockSpec((None, lay.tiles * lay.bt, lay.bc), lambda bi, ti, ci: (bi, ti, ci)),
+                 pl.BlockSpec((None, None, lay.wp, lay.bc), lambda bi, ti, ci: (bi, ti, 0, ci)),
+                 pl.BlockSpec((None, None, slot, lay.bc), lambda bi, ti, ci: (bi, ti, 0, ci))],
+      out_shape=[result_like(x, (b, lay.tp, lay.cp), x.dtype),
+                 result_like(x, (b, lay.programs, lay.wp, lay.cp), jnp.float32),
+                 result_like(x, (b, lay.programs, slot, lay.cp), jnp.float32)],
+      interpret=config.interpret, name="short_conv_silu_bwd", **_params(config),
+  )(xs, seg, douts, w)
   dkernel = jnp.sum(dw, axis=(0, 1))[:width, :c]
   return dx[:, :t, :c], dkernel.astype(kernel.dtype)

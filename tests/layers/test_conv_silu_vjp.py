@@ -87,20 +87,22 @@ def test_bad_shapes_and_backward_raise():
 
 def test_pallas_backward_under_a_batch_mesh_equals_one_device():
   """backward='pallas' under a mesh sharding the batch: each device runs the kernels on its own
-  rows and the kernel's gradient is the sum of the devices' parts; the values of the XLA VJP on
-  one device."""
+  rows and the kernel's gradient is the sum of the devices' parts; the outputs and gradients of
+  the XLA path on one device."""
   x, kernel, _ = _inputs(jnp.float32, shape=(8, 12, 6))
   seg = jnp.tile(SEG, (4, 1))
   cot = jax.random.normal(jax.random.PRNGKey(5), x.shape)
 
   def grads(backward):
-    loss = lambda x, k: jnp.sum(conv_silu(x, k, seg, jnp.float32, backward) * cot)
-    return jax.jit(jax.grad(loss, argnums=(0, 1)))
+    out = lambda x, k: conv_silu(x, k, seg, jnp.float32, backward)
+    loss = lambda x, k: jnp.sum(out(x, k) * cot)
+    return jax.jit(lambda x, k: (out(x, k),) + jax.grad(loss, argnums=(0, 1))(x, k))
 
   want = grads("xla")(x, kernel)
   mesh = sharding.make_mesh("data:2,expert:4")
   rows = NamedSharding(mesh, P(sharding.BATCH_AXES))
   with sharding.with_mesh(mesh):
     got = grads("pallas")(jax.device_put(x, rows), kernel)
+  assert len(got) == 3
   for g, w in zip(got, want):
     np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=1e-5, atol=1e-5)

@@ -211,8 +211,8 @@ def test_bfloat16_close_to_float32():
 
 
 def test_conv_backward_setting_reaches_the_three_short_convs():
-  """ModelConfig.kda_conv_backward = 'pallas' puts the Pallas kernels in the layer's gradient, one
-  pair per short conv (their values: tests/layers/test_conv_silu_vjp.py,
+  """ModelConfig.kda_conv_backward = 'pallas' puts the Pallas kernels in the layer's gradient, a
+  forward and a backward kernel per short conv (their values: tests/layers/test_conv_silu_vjp.py,
   tests/pallas/test_short_conv.py); 'xla' has none."""
   x = jax.random.normal(jax.random.PRNGKey(4), (1, 22, BASE.d_model))
   variables = KDALayer(BASE).init(jax.random.PRNGKey(6), x)
@@ -222,7 +222,7 @@ def test_conv_backward_setting_reaches_the_three_short_convs():
     loss = lambda v, x: jnp.sum(layer.apply(v, x, SEG[:1]))
     jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables, x))
     return [len(re.findall(rf"\bname=short_conv_silu_{name}\b", jaxpr))   # pallas_calls
-            for name in ("dy_dw", "dx")]
+            for name in ("fwd", "bwd")]
 
   assert kernels_in_gradient("pallas") == [3, 3]
   assert kernels_in_gradient("xla") == [0, 0]

@@ -1,5 +1,6 @@
-"""pallas_kernels/short_conv: the short conv + SiLU backward kernel (Pallas interpreter) against a
-naive per-token loop of the same gradient, and against autodiff of the forward."""
+"""pallas_kernels/short_conv: the short conv + SiLU forward and backward kernels (Pallas
+interpreter) against naive per-token loops of the same output and gradient, and against autodiff
+of the forward."""
 from __future__ import annotations
 
 import jax
@@ -8,7 +9,7 @@ import numpy as np
 import pytest
 
 from k3jax.layers.conv import causal_conv1d
-from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd
+from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd, conv_silu_fwd
 
 # Documents of 3, 4, 2 tokens, padding, a document of 5; a row of two documents; 14 tokens, so the
 # 4-token tiles below (two a program in the first kernel) leave a partial last tile and program,
@@ -16,6 +17,24 @@ from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd
 SEG = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0, 0, 4, 4],
                 [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]], np.int32)
 SMALL_TILES = ConvConfig(block_t=4, block_c=8, tiles_per_program=2, interpret=True)
+
+
+def naive_fwd(x, kernel, seg):
+  """silu of the causal conv by its definition, one token at a time in float64: y[t] sums
+  kernel[W-1-j] · x[t-j] over the taps j that stay in t's document; padding outputs 0."""
+  x, kernel = np.asarray(x, np.float64), np.asarray(kernel, np.float64)
+  b, t, c = x.shape
+  width = kernel.shape[0]
+  seg = np.ones((b, t), np.int32) if seg is None else np.asarray(seg)
+  out = np.zeros_like(x)
+  for bi in range(b):
+    for ti in range(t):
+      if seg[bi, ti] == 0:
+        continue
+      y = sum(kernel[width - 1 - j] * x[bi, ti - j] for j in range(width)
+              if ti - j >= 0 and seg[bi, ti - j] == seg[bi, ti])
+      out[bi, ti] = y / (1.0 + np.exp(-y))
+  return out
 
 
 def naive_bwd(x, kernel, seg, dout):
@@ -62,6 +81,35 @@ def test_matches_the_naive_gradient(width, segments):
     assert np.all(np.asarray(dx)[0, 9:12] == 0)
 
 
+@pytest.mark.parametrize("width", [1, 3, 4])
+@pytest.mark.parametrize("segments", [True, False])
+def test_forward_matches_the_naive_output(width, segments):
+  x, kernel, _ = _inputs(width, 20, jnp.float32, seed=width + 10)
+  seg = jnp.asarray(SEG) if segments else None
+  out = conv_silu_fwd(x, kernel, seg, jnp.float32, SMALL_TILES)
+  want = naive_fwd(x, kernel, None if seg is None else SEG)
+  assert out.shape == x.shape and out.dtype == jnp.float32
+  np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+  if segments:   # padding outputs are exactly zero
+    assert np.all(np.asarray(out)[0, 9:12] == 0)
+
+
+def test_a_row_shorter_than_a_tile_and_one_program_of_many_tiles():
+  """The default tiles (32 tokens, 64 channels) on rows of 14 tokens and 20 channels: one partial
+  tile; and 4-token tiles, 8 a program, on 14 tokens: one program, its last tiles past the row."""
+  x, kernel, dout = _inputs(4, 20, jnp.float32, seed=3)
+  seg = jnp.asarray(SEG)
+  want_out = naive_fwd(x, kernel, SEG)
+  want_dx, want_dk = naive_bwd(x, kernel, SEG, dout)
+  for cfg in (ConvConfig(interpret=True),
+              ConvConfig(block_t=4, block_c=16, tiles_per_program=8, interpret=True)):
+    np.testing.assert_allclose(np.asarray(conv_silu_fwd(x, kernel, seg, jnp.float32, cfg)),
+                               want_out, rtol=1e-5, atol=1e-6)
+    dx, dk = conv_silu_bwd(x, kernel, seg, dout, cfg)
+    np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(dk), want_dk, rtol=1e-5, atol=1e-4)
+
+
 def test_bf16_matches_autodiff_of_the_forward():
   x, kernel, dout = _inputs(4, 16, jnp.bfloat16, seed=7)
   kernel = kernel.astype(jnp.bfloat16)
@@ -75,6 +123,11 @@ def test_bf16_matches_autodiff_of_the_forward():
   want_dx, want_dk = vjp(dout)
   dx, dk = conv_silu_bwd(x, kernel, seg, dout, SMALL_TILES)
   assert dx.dtype == jnp.bfloat16 and dk.dtype == jnp.bfloat16
+  out = conv_silu_fwd(x, kernel, seg, jnp.bfloat16, SMALL_TILES)
+  want_out = forward(x, kernel)
+  assert out.dtype == jnp.bfloat16
+  np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
+                             rtol=1e-2, atol=1e-2)
   for got, want in ((dx, want_dx), (dk, want_dk)):
     scale = float(jnp.max(jnp.abs(want.astype(jnp.float32))))
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
@@ -93,3 +146,7 @@ def test_default_tiles_and_bad_input():
     conv_silu_bwd(x, kernel, jnp.asarray(SEG[:, :5]), dout, SMALL_TILES)
   with pytest.raises(ValueError, match="do not fit"):
     conv_silu_bwd(x, kernel[:, :3], None, dout, SMALL_TILES)
+  with pytest.raises(ValueError, match="conv_silu_fwd: segment_ids"):
+    conv_silu_fwd(x, kernel, jnp.asarray(SEG[:, :5]), jnp.float32, SMALL_TILES)
+  with pytest.raises(ValueError, match="conv_silu_fwd: .* do not fit"):
+    conv_silu_fwd(x, kernel[:, :3], None, jnp.float32, SMALL_TILES)
