@@ -99,13 +99,13 @@ def default_tuning(rows_heads: int, K: int, V: int) -> Tuning:
 
   With few rows × heads the scans run on few programs: smaller V blocks (more programs) and a
   3-stage software pipeline over the chunk loop pay (measured at 16); from 48 on (medium.gin's
-  4 rows × 12 heads, run 26: the KDA op's forward+backward 7.02 → 6.51 ms) 64-wide blocks do. gate_fwd (with
-  the q/k norm inside since run 7) runs best on 4 warps over 64-column K blocks after a first pass
-  for the norms, intra_fwd on one warp over 16-column K blocks, dense_bwd
-  on 8 warps over 64 × 64 (V, K) blocks, intra_bwd on 2 warps per 64-column K block. (A head dim
-  that the block does not divide, possible in the interpreter, is one block.)
+  4 rows × 12 heads, run 26: the KDA op's forward+backward 7.02 → 6.51 ms) 64-wide blocks do.
+  gate_fwd (with the q/k norm inside since run 7) runs best on 4 warps over 64-column K blocks
+  after a first pass for the norms, intra_fwd on one warp over 16-column K blocks, dense_bwd on 8
+  warps over 64 × 64 (V, K) blocks, intra_bwd on 2 warps per 64-column K block. (A head dim that
+  the block does not divide, possible in the interpreter, is one block.)
   """
-  if rows_heads >= 48:   # scan_fwd 0.39 against 0.58 ms with 16-wide blocks at 4 x 8192 x 12 (run 26)
+  if rows_heads >= 48:   # scan_fwd 0.39 against 0.58 ms (16-wide) at 4 x 8192 x 12 (run 26)
     bv_fwd, bv_bwd, scan_bwd = 64, 64, (8, 3)
   else:  # 16-wide forward blocks since run 6 (scan_fwd 0.87 vs 1.03 ms for 32 at 1 x 32768 x 16)
     bv_fwd, bv_bwd, scan_bwd = 16, 16, (4, 3)

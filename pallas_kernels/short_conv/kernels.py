@@ -87,13 +87,11 @@ class _Rows:
 def _load_rows(ref, start, n, rows: _Rows, off: int, fill):
   """ref[off + start + r] for r < n (rows of a [T, ...] ref); positions outside [0, T) read as
   `fill` (their values are never used unmasked)."""
-  if not rows.masked:
-    value = ref[pl.ds(off + start, n)]
-    pos = start + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-    ok = (pos >= 0) & (pos < rows.t_len)
-    return jnp.where(ok.reshape((n,) + (1,) * (value.ndim - 1)), value, fill)
   pos = start + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
   ok = (pos >= 0) & (pos < rows.t_len)
+  if not rows.masked:
+    value = ref[pl.ds(off + start, n)]
+    return jnp.where(ok.reshape((n,) + (1,) * (value.ndim - 1)), value, fill)
   block = ref.at[pl.ds(off + start, n)]
   mask = ok if len(block.shape) == 1 else ok[:, None]
   if len(block.shape) > 1:
