@@ -12,7 +12,7 @@ from k3jax.layers.conv import causal_conv1d
 from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd, conv_silu_fwd
 
 # Documents of 3, 4, 2 tokens, padding, a document of 5; a row of two documents; 14 tokens, so the
-# 4-token tiles below (two a program in the first kernel) leave a partial last tile and program,
+# 4-token tiles below (two a program) leave a partial last tile and program,
 # and documents cross tile and program edges.
 SEG = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0, 0, 4, 4],
                 [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]], np.int32)
