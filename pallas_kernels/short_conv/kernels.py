@@ -189,6 +189,25 @@ class _Layout:
   wp: int
   halo_t: int
 
+  def grid(self, b: int) -> tuple[int, int, int]:
+    return (b, self.programs, self.cp // self.bc)
+
+  def rows_spec(self, n: int) -> pl.BlockSpec:
+    """A [B, n, C] operand: each program reads its row's n rows whole, one channel block."""
+    return pl.BlockSpec((None, n, self.bc), lambda bi, ti, ci: (bi, 0, ci))
+
+  def seg_spec(self, n: int) -> pl.BlockSpec:
+    """The [B, n] segment ids, each program its row's."""
+    return pl.BlockSpec((None, n), lambda bi, ti, ci: (bi, 0))
+
+  def kernel_spec(self) -> pl.BlockSpec:
+    """The [Wp, Cp] kernel, one channel block."""
+    return pl.BlockSpec((self.wp, self.bc), lambda bi, ti, ci: (0, ci))
+
+  def tokens_spec(self) -> pl.BlockSpec:
+    """A [B, Tp, Cp] result: each program writes its tokens, one channel block."""
+    return pl.BlockSpec((None, self.tiles * self.bt, self.bc), lambda bi, ti, ci: (bi, ti, ci))
+
 
 def _layout(t: int, c: int, width: int, config: ConvConfig) -> _Layout:
   bt = max(min(config.block_t, pl.next_power_of_2(t)), pl.next_power_of_2(width))
@@ -200,14 +219,16 @@ def _layout(t: int, c: int, width: int, config: ConvConfig) -> _Layout:
                  halo_t=pl.next_power_of_2(max(width - 1, 1)))
 
 
-def _check(name, x, kernel, segment_ids, other=None):
+def _check(name, x, kernel, segment_ids, dout=None):
+  """The segment ids as int32 [B, T] (ones without them); ValueError naming `name` when x, kernel,
+  segment_ids (and dout) do not fit."""
   b, t, c = x.shape
   width = kernel.shape[0]
-  if kernel.shape != (width, c) or (other is not None and other.shape != x.shape):
-    raise ValueError(f"{name}: x {x.shape}, kernel {kernel.shape}"
-                     + ("" if other is None else f" and dout {other.shape}")
-                     + " do not fit ([B, T, C], [W, C]" + ("" if other is None else ", [B, T, C]")
-                     + ")")
+  if kernel.shape != (width, c) or (dout is not None and dout.shape != x.shape):
+    given, wanted = [f"x {x.shape}", f"kernel {kernel.shape}"], ["[B, T, C]", "[W, C]"]
+    if dout is not None:
+      given, wanted = given + [f"dout {dout.shape}"], wanted + ["[B, T, C]"]
+    raise ValueError(f"{name}: {', '.join(given)} do not fit ({', '.join(wanted)})")
   if segment_ids is None:
     segment_ids = jnp.ones((b, t), jnp.int32)
   if segment_ids.shape != (b, t):
@@ -254,13 +275,11 @@ def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
   width = kernel.shape[0]
   lay = _layout(t, c, width, config)
   xs, seg, _, w, rows = _operands(x, kernel, seg, lay, config.interpret)
-  row_spec = pl.BlockSpec((None, xs.shape[1], lay.bc), lambda bi, ti, ci: (bi, 0, ci))
   out = pl.pallas_call(
       functools.partial(_fwd_kernel, width=width, block_t=lay.bt, tiles=lay.tiles, rows=rows),
-      grid=(b, lay.programs, lay.cp // lay.bc),
-      in_specs=[row_spec, pl.BlockSpec((None, seg.shape[1]), lambda bi, ti, ci: (bi, 0)),
-                pl.BlockSpec((lay.wp, lay.bc), lambda bi, ti, ci: (0, ci))],
-      out_specs=pl.BlockSpec((None, lay.tiles * lay.bt, lay.bc), lambda bi, ti, ci: (bi, ti, ci)),
+      grid=lay.grid(b),
+      in_specs=[lay.rows_spec(xs.shape[1]), lay.seg_spec(seg.shape[1]), lay.kernel_spec()],
+      out_specs=lay.tokens_spec(),
       out_shape=result_like(x, (b, lay.tp, lay.cp), out_dtype),
       interpret=config.interpret, name="short_conv_silu_fwd", **_params(config),
   )(xs, seg, w)
@@ -280,15 +299,14 @@ def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
   width = kernel.shape[0]
   lay = _layout(t, c, width, config)
   xs, seg, douts, w, rows = _operands(x, kernel, seg, lay, config.interpret, dout)
-  spec = lambda n: pl.BlockSpec((None, n, lay.bc), lambda bi, ti, ci: (bi, 0, ci))
   slot = lay.bt + lay.halo_t
   dx, dw, _ = pl.pallas_call(
       functools.partial(_bwd_kernel, width=width, block_t=lay.bt, halo_t=lay.halo_t,
                         tiles=lay.tiles, rows=rows),
-      grid=(b, lay.programs, lay.cp // lay.bc),
-      in_specs=[spec(xs.shape[1]), pl.BlockSpec((None, seg.shape[1]), lambda bi, ti, ci: (bi, 0)),
-                spec(douts.shape[1]), pl.BlockSpec((lay.wp, lay.bc), lambda bi, ti, ci: (0, ci))],
-      out_specs=[pl.BlockSpec((None, lay.tiles * lay.bt, lay.bc), lambda bi, ti, ci: (bi, ti, ci)),
+      grid=lay.grid(b),
+      in_specs=[lay.rows_spec(xs.shape[1]), lay.seg_spec(seg.shape[1]),
+                lay.rows_spec(douts.shape[1]), lay.kernel_spec()],
+      out_specs=[lay.tokens_spec(),
                  pl.BlockSpec((None, None, lay.wp, lay.bc), lambda bi, ti, ci: (bi, ti, 0, ci)),
                  pl.BlockSpec((None, None, slot, lay.bc), lambda bi, ti, ci: (bi, ti, 0, ci))],
       out_shape=[result_like(x, (b, lay.tp, lay.cp), x.dtype),
