@@ -76,9 +76,9 @@ def test_backward_keeps_the_inputs_in_bf16_and_no_fp32_factor():
     assert full32 in _saved(plain, x, gate)                           # the check is not blind
 
 
-def test_dot_in_fp32_equals_autodiff_and_keeps_x_in_its_dtype():
+def test_dot_in_fp32_on_fp32_x_is_the_highest_precision_matmul():
   from k3jax.layers.common import dot_in_fp32
-  x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, 16)).astype(jnp.bfloat16)
+  x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, 16))
   w = jax.random.normal(jax.random.PRNGKey(4), (16, 6))
   plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
                                precision=jax.lax.Precision.HIGHEST)
@@ -86,5 +86,49 @@ def test_dot_in_fp32_equals_autodiff_and_keeps_x_in_its_dtype():
   np.testing.assert_array_equal(dot_in_fp32(x, w), plain(x, w))
   grads = lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), (0, 1))(x, w)
   _close(grads(dot_in_fp32), grads(plain), 1e-6)
+
+
+def test_bf16_pieces_sum_to_fp32_exactly():
+  from k3jax.layers.common import bf16_pieces
+  rng = np.random.default_rng(0)
+  # Significands over every bit, exponents from 2^-60 to 2^60, both signs, and zero.
+  a = (rng.uniform(-2, 2, 4096) * 2.0 ** rng.integers(-60, 60, 4096)).astype(np.float32)
+  a[:3] = [0.0, 1.0, -np.float32(1 + 2 ** -23)]
+  pieces = jax.jit(lambda v: bf16_pieces(v, 3))(jnp.asarray(a))
+  assert all(p.dtype == jnp.bfloat16 for p in pieces)
+  total = sum(np.asarray(p, np.float64) for p in pieces)
+  np.testing.assert_array_equal(total, a.astype(np.float64))
+  two = sum(np.asarray(p, np.float64) for p in pieces[:2])
+  assert np.all(np.abs(two - a) <= 2.0 ** -14 * np.abs(a))
+  assert np.any(two != a)      # the third piece is needed: the check is not blind
+
+
+def test_dot_in_fp32_on_bf16_x_has_fp32_accuracy_and_keeps_x_in_bf16():
+  """The split-bf16 matmul against a float64 reference: the forward and dw as close as the fp32
+  HIGHEST matmul's, dx within bf16's rounding."""
+  from k3jax.layers.common import dot_in_fp32
+  kx, kw, kc = jax.random.split(jax.random.PRNGKey(3), 3)
+  x = jax.random.normal(kx, (3, 40, 96)).astype(jnp.bfloat16)
+  w = 0.02 * jax.random.normal(kw, (96, 12))
+  cot = jax.random.normal(kc, (3, 40, 12))
+  plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST)
+  x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, cot))
+  ref = x64 @ w64
+  y = jax.jit(dot_in_fp32)(x, w)
+  assert y.dtype == jnp.float32
+  err_highest = np.abs(np.asarray(plain(x, w), np.float64) - ref).max()
+  assert np.abs(np.asarray(y, np.float64) - ref).max() <= 2 * err_highest + 1e-9
+  grads = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), (0, 1)))(x, w)
+  dx, dw = grads(dot_in_fp32)
+  assert dx.dtype == jnp.bfloat16 and dw.dtype == jnp.float32
+  dx_ref = c64 @ w64.T
+  dw_ref = x64.reshape(-1, 96).T @ c64.reshape(-1, 12)
+  # dx: at most half a bf16 step (2^-8 relative) from the exact value, plus the split's 2^-12.
+  np.testing.assert_array_less(np.abs(np.asarray(dx, np.float64) - dx_ref),
+                               2.0 ** -8 * np.abs(dx_ref) + 2.0 ** -12 * (np.abs(c64) @ np.abs(w64.T)))
+  _, dw_highest = grads(plain)
+  err_highest = np.abs(np.asarray(dw_highest, np.float64) - dw_ref).max()
+  assert np.abs(np.asarray(dw, np.float64) - dw_ref).max() <= 2 * err_highest + 1e-9
   assert (x.shape, jnp.dtype(jnp.float32)) not in _saved(dot_in_fp32, x, w)
   assert (x.shape, jnp.dtype(jnp.float32)) in _saved(plain, x, w)
