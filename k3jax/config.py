@@ -112,12 +112,11 @@ class ModelConfig:
   # (Mosaic GPU kernels for bf16/f16 on compute capability 9.x, else 'tiled') on GPU, 'tiled'
   # on CPU (XLA:CPU's dense ragged_dot under tokamax is 2x slower), ragged_dot on TPU.
   moe_grouped_matmul: str = "auto"
-  # The routed and shared experts' SiTU-GLU activation: 'auto' | 'xla' | 'pallas' (k3jax.ops.
+  # The routed experts' SiTU-GLU activation: 'auto' | 'xla' | 'pallas' (k3jax.ops.
   # kernel_choice). 'pallas': one Pallas kernel forward, one backward
-  # (pallas_kernels/situ_glu; the shared experts then run one matmul against [W_gate | W_up]),
-  # in the Pallas interpreter on CPU (not inside the expert-parallel shard_map there); auto:
-  # 'pallas' on a GPU (one H200, routed experts: small.gin's step -6.6 %, medium.gin's -8.5 %,
-  # RESULTS.md run 17), 'xla' elsewhere.
+  # (pallas_kernels/situ_glu), in the Pallas interpreter on CPU (not inside the expert-parallel
+  # shard_map there); auto: 'pallas' on a GPU (one H200: small.gin's step -6.6 %, medium.gin's
+  # -8.5 %, RESULTS.md run 17), 'xla' elsewhere.
   moe_situ_glu: str = "auto"
 
   # Block Attention Residuals

@@ -26,7 +26,6 @@ from k3jax.layers import common
 from k3jax.ops.chunking import map_position_chunks
 # The activation math lives in ops (ops may not import layers); this module is its public home.
 from k3jax.ops.moe import situ, situ_glu, softcap  # noqa: F401
-from pallas_kernels import situ_glu as situ_glu_kernels
 
 __all__ = ["situ", "softcap", "situ_glu", "situ_glu_ffn", "SiTUGLU", "SiTUGLUWeights"]
 
@@ -64,29 +63,17 @@ def glu_kernels(cfg: ModelConfig, width: int, hidden_dim: int, in_axis: str, hid
 
 
 def situ_glu_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, *,
-                 dtype, beta1: float, beta2: float, activation: str = "xla") -> jax.Array:
+                 dtype, beta1: float, beta2: float) -> jax.Array:
   """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)), a pure function.
 
   x [..., d] any float dtype; w_gate, w_up [d, m]; w_out [m, d] (any float dtype). The matmuls run
   in `dtype` (inputs and weights cast to it), the activation math in fp32; returns [..., d] in
   `dtype`.
-  activation: 'xla' (`situ_glu`, XLA's fusions of two matmul outputs) or 'pallas' (one matmul
-    against [W_gate | W_up] and `pallas_kernels.situ_glu.situ_glu_fused` on its [..., 2m]
-    output, interpreted on CPU): the same math.
   """
   x = x.astype(dtype)
-  if activation == "pallas":
-    m = w_gate.shape[-1]
-    gate_up = jnp.dot(x, jnp.concatenate([w_gate, w_up], axis=-1).astype(dtype))
-    config = situ_glu_kernels.SituGluConfig(interpret=jax.default_backend() == "cpu")
-    h = situ_glu_kernels.situ_glu_fused(gate_up.reshape(-1, 2 * m), beta1, beta2, dtype, config)
-    h = h.reshape(gate_up.shape[:-1] + (m,))
-  elif activation == "xla":
-    gate = jnp.dot(x, w_gate.astype(dtype))
-    up = jnp.dot(x, w_up.astype(dtype))
-    h = situ_glu(gate, up, beta1, beta2).astype(dtype)
-  else:
-    raise ValueError(f"situ_glu_ffn: activation={activation!r}: expected 'xla' or 'pallas'")
+  gate = jnp.dot(x, w_gate.astype(dtype))
+  up = jnp.dot(x, w_up.astype(dtype))
+  h = situ_glu(gate, up, beta1, beta2).astype(dtype)
   return jnp.dot(h, w_out.astype(dtype))
 
 

@@ -360,7 +360,7 @@ class LatentMoE(nn.Module):
       y_c = routed.reshape(b, c, width).astype(dtype)
       if cfg.moe_num_shared > 0:
         y_c = y_c + situ_glu_ffn(x_c, *shared, dtype=dtype, beta1=cfg.situ_beta1,
-                                 beta2=cfg.situ_beta2, activation=activation)
+                                 beta2=cfg.situ_beta2)
       return y_c, {"load": stats["load"], "dropped": stats["dropped"]}
 
     valid_bt = (jnp.ones((batch, length), bool) if valid is None

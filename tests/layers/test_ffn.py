@@ -81,32 +81,6 @@ def test_layer_matches_numpy(dtype):
   assert params["gate"]["kernel"].shape == (16, 24) and params["out"]["kernel"].shape == (24, 16)
 
 
-@pytest.mark.parametrize("dtype, tol", [("float32", 1e-5), ("bfloat16", 3e-2)])
-def test_situ_glu_ffn_pallas_activation_equals_xla(dtype, tol):
-  """activation='pallas' (one matmul against [W_gate | W_up], the fused kernel, interpreted
-  here) against 'xla': values and the gradients of x and the three weights, with a row count
-  (3 x 23) that is not a whole number of the kernel's row tiles."""
-  from k3jax.layers.ffn import situ_glu_ffn
-  rng = np.random.default_rng(5)
-  x = jnp.asarray(rng.normal(size=(3, 23, 16)), jnp.float32)
-  ws = [jnp.asarray(rng.normal(0, 0.4, shape), jnp.float32)
-        for shape in ((16, 24), (16, 24), (24, 16))]
-  cot = jnp.asarray(rng.normal(size=(3, 23, 16)), jnp.float32)
-
-  def run(activation):
-    f = lambda x, *w: jnp.sum(situ_glu_ffn(x, *w, dtype=jnp.dtype(dtype), beta1=3.0, beta2=7.0,
-                                           activation=activation).astype(jnp.float32) * cot)
-    return jax.jit(jax.value_and_grad(f, argnums=(0, 1, 2, 3)))(x, *ws)
-
-  (want, want_grads), (got, got_grads) = run("xla"), run("pallas")
-  np.testing.assert_allclose(got, want, rtol=tol)
-  for g, w in zip(got_grads, want_grads):
-    scale = float(jnp.max(jnp.abs(w)))
-    np.testing.assert_allclose(np.asarray(g), np.asarray(w), rtol=tol, atol=tol * scale)
-  with pytest.raises(ValueError, match="activation"):
-    situ_glu_ffn(x, *ws, dtype=jnp.float32, beta1=3.0, beta2=7.0, activation="triton")
-
-
 def test_chunked_layer_equals_unchunked():
   """position_chunk_tokens: values and gradients (params and input) equal the whole-sequence
   layer, with T not a multiple of the chunk; the parameters are the same tree."""
