@@ -14,10 +14,11 @@ A step of B rows with n micro-batches (n = B // `StagesConfig.microbatch_rows`):
 Two ways to run them (StagesConfig.microbatch_loop):
   'scan'  `accumulate_scan`: a `lax.scan` inside the step's single program.
   'host'  `HostLoopStep`: a Python loop over jitted programs: `train_step_prepare` (slices the
-          micro-batches, their weights and zero accumulators), n calls of `train_step_microbatch`
-          (one micro-batch's forward and backward pass added to the accumulators, which it
-          donates), then `train_step_update` (optimizer update, QK-Clip, balance state, metrics;
-          it donates the state). The decoder's `nn.scan` then sits at the top level of a program:
+          micro-batches, their weights and zero accumulators, and casts once the parameters that
+          the loss reads only as a narrower copy, `k3jax.param_casts`), n calls of
+          `train_step_microbatch` (one micro-batch's forward and backward pass added to the
+          accumulators, which it donates), then `train_step_update` (optimizer update, QK-Clip,
+          balance state, metrics; it donates the state). The decoder's `nn.scan` then sits at the top level of a program:
           inside the 'scan' loop body XLA copies the zero initialisations of its stacked saved
           activations and parameter gradients once per micro-batch (issue 17).
 Both share the per-micro-batch arithmetic (`add_microbatch`, `finish`), so they agree up to the
@@ -33,6 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import lowered_cache
+from k3jax import param_casts
 from k3jax.layers import moe as moe_layers
 
 PyTree = Any
@@ -61,12 +63,14 @@ def token_weights(micro: dict) -> jax.Array:
   return weights / jnp.maximum(jnp.sum(weights), 1.0)
 
 
-def zero_accumulators(loss_fn: LossFn, params: PyTree, moe_state: PyTree, micro_batch: dict
-                      ) -> dict:
+def zero_accumulators(loss_fn: LossFn, params: PyTree, moe_state: PyTree, micro_batch: dict,
+                      mutated_shape: PyTree = None) -> dict:
   """The running sums before the first micro-batch: {'grads': fp32 zeros like params, 'total',
   'ce', 'aux': fp32 scalars 0, 'stats': zeros like the 'moe_stats' collection, 'qk': -inf like
-  the QK_STATS_COLLECTION one} (the collections' shapes from an abstract trace of `loss_fn`)."""
-  _, (_, _, mutated_shape) = jax.eval_shape(lambda: loss_fn(params, moe_state, micro_batch))
+  the QK_STATS_COLLECTION one} (the collections' shapes: `mutated_shape`, the mutated
+  collections' shapes of `loss_fn` when the caller traced it already, else an abstract trace)."""
+  if mutated_shape is None:
+    _, (_, _, mutated_shape) = jax.eval_shape(lambda: loss_fn(params, moe_state, micro_batch))
   zeros_of = lambda tree, fill: jax.tree.map(lambda a: jnp.full(a.shape, fill, a.dtype), tree)
   f32_zero = jnp.zeros([], jnp.float32)
   return {"grads": jax.tree.map(jnp.zeros_like, params), "total": f32_zero, "ce": f32_zero,
@@ -181,10 +185,10 @@ def _replicated(state_shardings) -> Any:
 
 def _run(prepare: Callable, microbatch: Callable, update: Callable, state, batch: dict):
   """The host loop: prepare, one program call per micro-batch, the update."""
-  micro_batches, weights, acc = prepare(state.params, state.moe_state, batch)
+  micro_batches, weights, acc, copies = prepare(state.params, state.moe_state, batch)
   moe_state = state.moe_state
   for micro_batch, weight in zip(micro_batches, weights):
-    acc, moe_state = microbatch(state.params, moe_state, micro_batch, weight, acc)
+    acc, moe_state = microbatch(state.params, copies, moe_state, micro_batch, weight, acc)
   # The old balance state goes apart from the donated rest: the last micro-batch's balance state
   # may be the very same arrays (a model that writes none passes its input through).
   return update(state.replace(moe_state=None), state.moe_state, acc, moe_state)
@@ -200,6 +204,10 @@ class HostLoopStep:
   microbatch_rows: (seq_len, batch rows) -> rows per micro-batch (`StagesConfig.microbatch_rows`).
   state_shardings / batch_shardings / cache_dir / description: as for `make_train_step` and
     `lowered_cache.cached_jit` (the programs' names and the micro-batch count are added).
+  cast_once: `train_step_prepare` casts the parameters that `loss_fn` reads only as a narrower
+    copy (`param_casts.single_cast_dtypes`: a bf16 model's fp32 matmul weights), once a step;
+    the micro-batch program reads the copies. The same values and gradients as casting in every
+    micro-batch (False), bit for bit; it holds the copies for the step (2 bytes a bf16 weight).
 
   `lower(state, batch).compile()` gives a callable with the same contract whose `programs` maps
   each program's name to its `jax.stages.Compiled` (memory analysis per program).
@@ -207,7 +215,7 @@ class HostLoopStep:
 
   def __init__(self, whole_step: Callable, loss_fn: LossFn, apply_update: ApplyUpdate,
                microbatch_rows: Callable[[int, int], int], *, state_shardings: Any,
-               batch_shardings: Any, cache_dir: str, description: str):
+               batch_shardings: Any, cache_dir: str, description: str, cast_once: bool = True):
     self._whole_step = whole_step
     self._loss_fn = loss_fn
     self._apply_update = apply_update
@@ -217,7 +225,10 @@ class HostLoopStep:
     self._sharded = state_shardings is not None or batch_shardings is not None
     self._cache_dir = cache_dir
     self._description = description
+    self._cast_once = cast_once
     self._programs: dict = {}
+    self._microbatch_programs: dict = {}
+    self._loss_info: dict = {}
     st = state_shardings
     self._params_sh = None if st is None else st.params
     self._moe_sh = None if st is None else st.moe_state
@@ -231,14 +242,6 @@ class HostLoopStep:
     self._acc_sh = {"grads": self._params_sh, "total": rep, "ce": rep, "aux": rep,
                     "stats": rep, "qk": rep}
 
-    def train_step_microbatch(params, moe_state, micro_batch, weight, acc):
-      return add_microbatch(loss_fn, params, moe_state, micro_batch, weight, acc)
-
-    self._microbatch = self._jit(
-        train_step_microbatch, donate=(4,),
-        in_sh=(self._params_sh, self._moe_sh, batch_shardings, rep, self._acc_sh),
-        out_sh=(self._acc_sh, self._moe_sh), extra="")
-
   def _jit(self, fun, donate, in_sh, out_sh, extra):
     kwargs = dict(in_shardings=in_sh, out_shardings=out_sh) if self._sharded else {}
     return lowered_cache.cached_jit(fun, cache_dir=self._cache_dir, donate_argnums=donate,
@@ -248,17 +251,60 @@ class HostLoopStep:
     rows, seq_len = batch["inputs"].shape
     return rows // self._microbatch_rows(seq_len, rows)
 
-  def _programs_for(self, num_micro: int) -> tuple[Callable, Callable]:
-    """(prepare, update) for steps of `num_micro` micro-batches (built once per count)."""
-    if num_micro not in self._programs:
+  def _info(self, params, moe_state, batch: dict, num_micro: int) -> tuple[tuple, PyTree]:
+    """(the cast dtypes per params leaf, or all None without cast_once; the mutated collections'
+    shapes) of `loss_fn` on one micro-batch of `batch`: one abstract trace per signature."""
+    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+    micro_batch = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], split(b, num_micro)),
+                                 abstract(batch))
+    args = (abstract(params), abstract(moe_state), micro_batch)
+    key = str(jax.tree.structure(args)) + str(jax.tree.leaves(args))
+    if key not in self._loss_info:
+      dtypes, out_shape = param_casts.single_cast_dtypes(self._loss_fn, *args)
+      if not self._cast_once:
+        dtypes = [None] * len(dtypes)
+      self._loss_info[key] = (tuple(dtypes), out_shape[1][2])
+    return self._loss_info[key]
+
+  def _copies_sh(self, dtypes: tuple):
+    if self._params_sh is None:
+      return None
+    leaves, treedef = jax.tree.flatten(self._params_sh)
+    return jax.tree.unflatten(treedef, [s if d is not None else None
+                                        for s, d in zip(leaves, dtypes)])
+
+  def _microbatch_for(self, dtypes: tuple) -> Callable:
+    """The micro-batch program for parameters with these cast copies (built once per set)."""
+    if dtypes not in self._microbatch_programs:
+      loss_fn = self._loss_fn
+
+      def train_step_microbatch(params, copies, moe_state, micro_batch, weight, acc):
+        return add_microbatch(loss_fn, param_casts.with_copies(params, copies), moe_state,
+                              micro_batch, weight, acc)
+
+      rep = self._rep
+      self._microbatch_programs[dtypes] = self._jit(
+          train_step_microbatch, donate=(5,),
+          in_sh=(self._params_sh, self._copies_sh(dtypes), self._moe_sh, self._batch_sh, rep,
+                 self._acc_sh),
+          out_sh=(self._acc_sh, self._moe_sh), extra="")
+    return self._microbatch_programs[dtypes]
+
+  def _programs_for(self, num_micro: int, info: tuple) -> tuple[Callable, Callable, Callable]:
+    """(prepare, micro-batch, update) for steps of `num_micro` micro-batches and `_info`'s
+    result (built once per pair)."""
+    dtypes, mutated_shape = info
+    key = (num_micro, dtypes)
+    if key not in self._programs:
       loss_fn, apply_update = self._loss_fn, self._apply_update
 
       def train_step_prepare(params, moe_state, batch):
         micro = split(batch, num_micro)
         weights = token_weights(micro)
         micro_batches = tuple(jax.tree.map(lambda x: x[i], micro) for i in range(num_micro))
-        acc = zero_accumulators(loss_fn, params, moe_state, micro_batches[0])
-        return micro_batches, tuple(weights[i] for i in range(num_micro)), acc
+        acc = zero_accumulators(loss_fn, params, moe_state, micro_batches[0], mutated_shape)
+        return (micro_batches, tuple(weights[i] for i in range(num_micro)), acc,
+                param_casts.narrow_copies(params, list(dtypes)))
 
       def train_step_update(state, old_moe_state, acc, moe_state):
         (total, (ce, aux, mutated)), grads = finish(acc, moe_state, num_micro)
@@ -270,21 +316,22 @@ class HostLoopStep:
       prepare = self._jit(
           train_step_prepare, donate=(), extra=extra,
           in_sh=(self._params_sh, self._moe_sh, self._batch_sh),
-          out_sh=((self._batch_sh,) * num_micro, (self._rep,) * num_micro, self._acc_sh))
+          out_sh=((self._batch_sh,) * num_micro, (self._rep,) * num_micro, self._acc_sh,
+                  self._copies_sh(dtypes)))
       update = self._jit(
           train_step_update, donate=(0,), extra=extra,
           in_sh=(None if st is None else st.replace(moe_state=None), self._moe_sh, self._acc_sh,
                  self._moe_sh),
           out_sh=(st, None))
-      self._programs[num_micro] = (prepare, update)
-    return self._programs[num_micro]
+      self._programs[key] = (prepare, self._microbatch_for(dtypes), update)
+    return self._programs[key]
 
   def __call__(self, state, batch: dict):
     num_micro = self._num_micro(batch)
     if num_micro == 1:
       return self._whole_step(state, batch)
-    prepare, update = self._programs_for(num_micro)
-    return _run(prepare, self._microbatch, update, state, batch)
+    info = self._info(state.params, state.moe_state, batch, num_micro)
+    return _run(*self._programs_for(num_micro, info), state, batch)
 
   def lower(self, state, batch: dict):
     """The programs lowered for these arguments (arrays or ShapeDtypeStructs): `whole_step`'s
@@ -292,13 +339,14 @@ class HostLoopStep:
     num_micro = self._num_micro(batch)
     if num_micro == 1:
       return self._whole_step.lower(state, batch)
-    prepare, update = self._programs_for(num_micro)
+    info = self._info(state.params, state.moe_state, batch, num_micro)
+    prepare, microbatch, update = self._programs_for(num_micro, info)
     prepare_lowered = prepare.lower(state.params, state.moe_state, batch)
     first = getattr(jax.tree.leaves(state)[0], "sharding", None)
     device = first if isinstance(first, jax.sharding.SingleDeviceSharding) else None
-    micro_batches, weights, acc = _abstract(prepare_lowered.out_info, device)
-    micro_lowered = self._microbatch.lower(state.params, state.moe_state, micro_batches[0],
-                                           weights[0], acc)
+    micro_batches, weights, acc, copies = _abstract(prepare_lowered.out_info, device)
+    micro_lowered = microbatch.lower(state.params, copies, state.moe_state, micro_batches[0],
+                                     weights[0], acc)
     _, moe_state = _abstract(micro_lowered.out_info, device)
     update_lowered = update.lower(state.replace(moe_state=None), state.moe_state, acc, moe_state)
     return HostLoopLowered({"train_step_prepare": prepare_lowered,

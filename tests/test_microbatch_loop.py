@@ -34,10 +34,10 @@ def _batches(cfg: config_lib.Config, num: int) -> list[dict]:
 
 
 def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
-         compiled: bool = False):
+         compiled: bool = False, cast_once: bool = True):
   """`steps` training steps with StagesConfig.microbatch_loop = `loop`: (final state, per-step
   metrics), on host. compiled: the steps run through `step.lower(...).compile()` (train_bench's
-  way) instead of the step itself."""
+  way) instead of the step itself. cast_once: the host loop's (`HostLoopStep`)."""
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
       f"StagesConfig.microbatch_loop = {loop!r}", f"MeshConfig.axes = {mesh_axes!r}"])
   mesh = train_lib.make_run_mesh(cfg)
@@ -48,6 +48,8 @@ def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
                   batch_shardings=sharding_lib.batch_sharding(mesh))
   step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
                                    **kwargs)
+  if not cast_once:
+    step._cast_once = False   # pylint: disable=protected-access
   place = (lambda b: jax.tree.map(jnp.asarray, b)) if mesh is None else \
       (lambda b: sharding_lib.shard_batch(b, mesh))
   metrics = []
@@ -117,6 +119,34 @@ def test_host_loop_lowered_and_compiled_equals_its_call():
   assert all(c.memory_analysis() is not None for c in compiled.programs.values())
   _assert_same_training(_run("host", bindings, steps=1, compiled=True),
                         _run("host", bindings, steps=1))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["call", "lowered"])
+def test_host_loop_casts_the_weights_once_with_the_same_training(compiled):
+  """A bf16 model: the prepare program casts the fp32 weights that the loss reads only as bf16
+  (most of them), the micro-batch programs read those copies, and two steps of 2 micro-batches
+  give bit for bit the state and metrics of casting in every micro-batch."""
+  from k3jax import param_casts
+  bindings = ["StagesConfig.microbatch_tokens = 32", "ModelConfig.dtype = 'bfloat16'"]
+  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
+      "StagesConfig.microbatch_loop = 'host'"])
+  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
+  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
+  batch = jax.tree.map(jnp.asarray, _batches(cfg, 1)[0])
+  dtypes, _ = step._info(state.params, state.moe_state, batch, 2)   # pylint: disable=protected-access
+  sizes = [x.size for x in jax.tree.leaves(state.params)]
+  cast = sum(n for n, d in zip(sizes, dtypes) if d is not None)
+  assert set(dtypes) == {None, jnp.dtype(jnp.bfloat16)} and cast > 0.7 * sum(sizes)
+  paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
+  by_name = lambda word: {d for p, d in zip(paths, dtypes) if word in p}
+  assert by_name("w_gate") == by_name("q_proj") == {jnp.dtype(jnp.bfloat16)}
+  # Read in fp32: the router's weight (as bf16 pieces, not a cast), the embedding, norm scales.
+  assert by_name("router") == by_name("embedding") == by_name("scale") == {None}
+  copies = param_casts.narrow_copies(state.params, list(dtypes))
+  assert {x.dtype for x in jax.tree.leaves(copies)} == {jnp.dtype(jnp.bfloat16)}
+  once = _run("host", bindings, compiled=compiled)
+  every = _run("host", bindings, compiled=compiled, cast_once=False)
+  _assert_close(once, every, "cast once against every micro-batch: ", rtol=0.0)
 
 
 def test_one_microbatch_runs_the_single_program():
