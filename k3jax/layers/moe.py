@@ -32,7 +32,6 @@ from k3jax.ops.chunking import map_position_chunks
 from k3jax.ops.kernel_choice import pallas_or_xla
 from k3jax.ops.moe import default_ragged_dot, qb_margins
 from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
-from k3jax.ops.order_statistics import column_values_at_rank, top_k_by_rounds
 
 
 def _check_scores_bias(fn: str, scores: jax.Array, bias: jax.Array, top_k: int) -> None:
@@ -128,13 +127,18 @@ def quantile_balance_thresholds(scores: jax.Array, bias: jax.Array, top_k: int,
   margin = jnp.where(valid[:, None], qb_margins(biased, top_k, cutoff), -jnp.inf)
   num_valid = jnp.sum(valid).astype(jnp.float32)
   q = num_valid * top_k / n
+  # Only the top ⌊q⌋+2 margins per column are needed; bound that statically by the row count.
+  depth = min(rows, int(rows * top_k // n) + 2)
+  top_margins = jax.lax.top_k(margin.T, depth)[0]  # [E, depth] descending
   last = jnp.maximum(num_valid.astype(jnp.int32) - 1, 0)
   lo = jnp.minimum(jnp.floor(q).astype(jnp.int32), last)  # 0-based rank of the (q+1)-th largest
+  hi = jnp.minimum(lo + 1, last)
   frac = q - jnp.floor(q)
-  # The margins at ranks lo and lo + 1 of each column, by a radix select (a top_k of the ⌊q⌋+2
-  # largest was a full sort on the GPU); rank lo + 1 only where it is a valid token's.
-  t_lo, t_next = column_values_at_rank(margin, lo)
-  t_hi = jnp.where(lo + 1 <= last, t_next, t_lo)
+  # Read ranks lo and hi by masked sums: indexing the top_k result also makes XLA:CPU fall back to a
+  # full sort.
+  rank = jnp.arange(depth, dtype=jnp.int32)
+  t_lo = jnp.sum(jnp.where(rank == lo, top_margins, 0.0), axis=1)
+  t_hi = jnp.sum(jnp.where(rank == hi, top_margins, 0.0), axis=1)
   threshold = jnp.where(num_valid > 0, t_lo + frac * (t_hi - t_lo), 0.0)
   return threshold, num_valid
 
@@ -219,7 +223,7 @@ class Router(nn.Module):
                                   common.to_dtype(cfg.param_dtype))
     logits = common.dot_in_fp32(x, kernel)
     scores = jax.nn.sigmoid(logits)
-    _, expert_idx = top_k_by_rounds(scores + jax.lax.stop_gradient(bias.astype(jnp.float32)), k)
+    _, expert_idx = jax.lax.top_k(scores + jax.lax.stop_gradient(bias.astype(jnp.float32)), k)
     chosen = jnp.take_along_axis(scores, expert_idx, axis=-1)
     weights = chosen / (jnp.sum(chosen, axis=-1, keepdims=True) + 1e-20) * cfg.moe_routed_scale
     return scores, expert_idx.astype(jnp.int32), weights

@@ -43,7 +43,6 @@ import jax.numpy as jnp
 from k3jax.ops.moe_rows import (_common_varying, gather_rows, permute_rows,  # noqa: F401
                                 sort_with_inverse, sorted_group_sizes, weighted_combine,
                                 zero_rows)
-from k3jax.ops.order_statistics import top_k_by_rounds
 from pallas_kernels import situ_glu as situ_glu_kernels
 from pallas_kernels.grouped_matmul import grouped_weight_grad
 
@@ -613,8 +612,8 @@ def qb_margins(biased: jax.Array, top_k: int, cutoff: str) -> jax.Array:
   if cutoff not in QB_CUTOFFS:
     raise ValueError(f"cutoff={cutoff!r} must be one of {QB_CUTOFFS}")
   # Masked reductions instead of slicing columns k-1 and k: XLA:CPU turns a sliced top_k into a full
-  # sort (20x slower). The router's picks are the same k rounds (`Router`): XLA computes them once.
-  top = top_k_by_rounds(biased, top_k + 1)[0]                           # [tokens, k+1] descending
+  # sort (20x slower).
+  top = jax.lax.top_k(biased, top_k + 1)[0]                             # [tokens, k+1] descending
   bar = jnp.min(top, axis=-1, keepdims=True)                            # (k+1)-th largest
   if cutoff == "per_expert":
     kth = jnp.min(jnp.where(jnp.arange(top_k + 1) < top_k, top, jnp.inf), axis=-1, keepdims=True)
