@@ -18,9 +18,10 @@ Two ways to run them (StagesConfig.microbatch_loop):
           the loss reads only as a narrower copy, `k3jax.param_casts`), n calls of
           `train_step_microbatch` (one micro-batch's forward and backward pass added to the
           accumulators, which it donates), then `train_step_update` (optimizer update, QK-Clip,
-          balance state, metrics; it donates the state). The decoder's `nn.scan` then sits at the top level of a program:
-          inside the 'scan' loop body XLA copies the zero initialisations of its stacked saved
-          activations and parameter gradients once per micro-batch (issue 17).
+          balance state, metrics; it donates the state). The decoder's `nn.scan` then sits at the
+          top level of a program: inside the 'scan' loop body XLA copies the zero initialisations
+          of its stacked saved activations and parameter gradients once per micro-batch (issue
+          17).
 Both share the per-micro-batch arithmetic (`add_microbatch`, `finish`), so they agree up to the
 rounding of XLA's different fusions.
 """
@@ -207,7 +208,8 @@ class HostLoopStep:
   cast_once: `train_step_prepare` casts the parameters that `loss_fn` reads only as a narrower
     copy (`param_casts.single_cast_dtypes`: a bf16 model's fp32 matmul weights), once a step;
     the micro-batch program reads the copies. The same values and gradients as casting in every
-    micro-batch (False), bit for bit; it holds the copies for the step (2 bytes a bf16 weight).
+    micro-batch (False; bit for bit in the CPU tests, `param_casts` says where a GPU may differ);
+    it holds the copies for the step (2 bytes a bf16 weight).
 
   `lower(state, batch).compile()` gives a callable with the same contract whose `programs` maps
   each program's name to its `jax.stages.Compiled` (memory analysis per program).

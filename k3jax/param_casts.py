@@ -9,7 +9,9 @@ to a narrower float dtype (through layout-only ops and nested jits). Feeding suc
 converted gives the same forward values, and the same gradient: the conversion's transpose only
 widened the narrow cotangent, which the accumulation now widens instead. A leaf with any other use
 (an fp32 router weight, a norm scale, a weight read inside a custom VJP, two separate casts whose
-cotangents autodiff adds in fp32) is left as it is.
+cotangents autodiff adds in fp32) is left as it is. Bit for bit on the CPU; on a GPU, XLA may fuse
+a convert into its consumer and keep the fp32 value there (it allows excess precision), where the
+copy is rounded to bf16: at most one bf16 rounding of that weight apart.
 """
 
 from __future__ import annotations

@@ -133,7 +133,7 @@ def test_host_loop_casts_the_weights_once_with_the_same_training(compiled):
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
   step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
   batch = jax.tree.map(jnp.asarray, _batches(cfg, 1)[0])
-  dtypes, _ = step._info(state.params, state.moe_state, batch, 2)   # pylint: disable=protected-access
+  dtypes, _ = step._info(state.params, state.moe_state, batch, 2)  # pylint: disable=W0212
   sizes = [x.size for x in jax.tree.leaves(state.params)]
   cast = sum(n for n, d in zip(sizes, dtypes) if d is not None)
   assert set(dtypes) == {None, jnp.dtype(jnp.bfloat16)} and cast > 0.7 * sum(sizes)
