@@ -7,7 +7,8 @@ micro-batches as a host loop of programs, every micro-batch's program cast all o
 H200). `single_cast_dtypes` finds, from the loss's jaxpr, the leaves whose one use is a conversion
 to a narrower float dtype (through layout-only ops and nested jits). Feeding such a leaf already
 converted gives the same forward values, and the same gradient: the conversion's transpose only
-widened the narrow cotangent, which the accumulation now widens instead. A leaf with any other use
+widened the narrow cotangent, which the accumulation now widens instead. Inside a `lax.scan` only
+the scanned-over inputs are followed (a scanned decoder's stacked weights). A leaf with any other use
 (an fp32 router weight, a norm scale, a weight read inside a custom VJP, two separate casts whose
 cotangents autodiff adds in fp32) is left as it is. Bit for bit on the CPU; on a GPU, XLA may fuse
 a convert into its consumer and keep the fp32 value there (it allows excess precision), where the
@@ -51,11 +52,17 @@ def _only_cast(jaxpr, var) -> Optional[np.dtype]:
     return _only_cast(jaxpr, eqn.outvars[0])
   if name == "broadcast_in_dim" and eqn.outvars[0].aval.size == var.aval.size:
     return _only_cast(jaxpr, eqn.outvars[0])    # adds unit axes only
-  if name in _CALL_JAXPR_PARAM:
-    inner = eqn.params[_CALL_JAXPR_PARAM[name]]
+  if name in _CALL_JAXPR_PARAM or name == "scan":
+    inner = eqn.params[_CALL_JAXPR_PARAM.get(name, "jaxpr")]
     inner = getattr(inner, "jaxpr", inner)       # ClosedJaxpr or Jaxpr
-    if len(inner.invars) == len(eqn.invars):
-      return _only_cast(inner, inner.invars[i])
+    if len(inner.invars) != len(eqn.invars):
+      return None
+    if name == "scan" and inner.invars[i].aval.shape == var.aval.shape:
+      # A constant of the loop body (its cotangent is summed over the iterations, in the narrow
+      # dtype once converted outside) or a carry: only the scanned-over inputs are followed
+      # (the stacked weights of a scanned decoder; each iteration reads its own slice).
+      return None
+    return _only_cast(inner, inner.invars[i])
   return None
 
 

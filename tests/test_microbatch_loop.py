@@ -121,13 +121,18 @@ def test_host_loop_lowered_and_compiled_equals_its_call():
                         _run("host", bindings, steps=1))
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["call", "lowered"])
-def test_host_loop_casts_the_weights_once_with_the_same_training(compiled):
+@pytest.mark.parametrize("compiled, layers", [
+    (False, []),
+    # A scanned decoder (dense first layer, a scanned group of two periods, the last MLA layer):
+    # its stacked weights are scanned-over inputs of the loop, cast once too.
+    (True, ["ModelConfig.num_layers = 6", "ModelConfig.scan_layers = True"]),
+], ids=["call", "lowered_scanned"])
+def test_host_loop_casts_the_weights_once_with_the_same_training(compiled, layers):
   """A bf16 model: the prepare program casts the fp32 weights that the loss reads only as bf16
   (most of them), the micro-batch programs read those copies, and two steps of 2 micro-batches
   give bit for bit the state and metrics of casting in every micro-batch."""
   from k3jax import param_casts
-  bindings = ["StagesConfig.microbatch_tokens = 32", "ModelConfig.dtype = 'bfloat16'"]
+  bindings = ["StagesConfig.microbatch_tokens = 32", "ModelConfig.dtype = 'bfloat16'"] + layers
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
       "StagesConfig.microbatch_loop = 'host'"])
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
@@ -140,6 +145,8 @@ def test_host_loop_casts_the_weights_once_with_the_same_training(compiled):
   paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(state.params)]
   by_name = lambda word: {d for p, d in zip(paths, dtypes) if word in p}
   assert by_name("w_gate") == by_name("q_proj") == {jnp.dtype(jnp.bfloat16)}
+  if layers:
+    assert by_name("scanned") >= {jnp.dtype(jnp.bfloat16)}
   # Read in fp32: the router's weight (as bf16 pieces, not a cast), the embedding, norm scales.
   assert by_name("router") == by_name("embedding") == by_name("scale") == {None}
   copies = param_casts.narrow_copies(state.params, list(dtypes))
