@@ -46,6 +46,9 @@ from k3jax.ops.moe_rows import (_common_varying, gather_rows, permute_rows,  # n
 from pallas_kernels import situ_glu as situ_glu_kernels
 from pallas_kernels.grouped_matmul import grouped_weight_grad
 
+# A grouped matmul with `jax.lax.ragged_dot`'s signature. One that also takes a keyword
+# `zero_outside` (False: the rows past Σ group_sizes of its output and of its lhs gradient may be
+# left unwritten) says so with an attribute `takes_zero_outside = True` (`takes_zero_outside`).
 RaggedDotFn = Callable[..., jax.Array]
 
 
@@ -297,13 +300,17 @@ def _auto_gpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   return tiled_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
 
 
-def _takes_zero_outside(fn: RaggedDotFn) -> bool:
-  """Whether fn is one of the grouped matmuls that take `zero_outside` (`tokamax_ragged_dot`,
-  bound by functools.partial or not, and 'auto' on a GPU); hooks with jax.lax.ragged_dot's
-  signature do not."""
-  if isinstance(fn, functools.partial):
+def takes_zero_outside(fn: RaggedDotFn) -> bool:
+  """Whether the grouped matmul fn (a functools.partial of one included) declares that it takes
+  `zero_outside` (`RaggedDotFn`): `tokamax_ragged_dot` and 'auto' on a GPU do; hooks with
+  jax.lax.ragged_dot's signature alone do not."""
+  while isinstance(fn, functools.partial):
     fn = fn.func
-  return fn is tokamax_ragged_dot or fn is _auto_gpu_ragged_dot
+  return getattr(fn, "takes_zero_outside", False) is True
+
+
+tokamax_ragged_dot.takes_zero_outside = True
+_auto_gpu_ragged_dot.takes_zero_outside = True
 
 
 def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
@@ -464,7 +471,7 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   # their selects: over gate_up [M, 2f] (3.6 ms of medium.gin's step on an H200, RESULTS.md run
   # 24 (e)) and dh [M, f]. The other rows they leave: dx's, which the dispatch's backward reads
   # through selects only (`gather_rows`); y's, zeroed below.
-  skip_zeroing = activation == "pallas" and _takes_zero_outside(ragged_dot_fn)
+  skip_zeroing = activation == "pallas" and takes_zero_outside(ragged_dot_fn)
   unzeroed = {"zero_outside": False} if skip_zeroing else {}
   gate_up = ragged_dot_fn(x, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
                           preferred_element_type=x.dtype, **unzeroed)

@@ -500,3 +500,19 @@ def test_zero_rows_values_gradient_and_what_it_keeps():
   big = [a for a in kept if a.size == n * k * latent]
   assert [a.dtype for a in big] == [jnp.bfloat16] * 2, big
   assert not [a for a in kept if a.dtype == jnp.bool_ and a.size == n * k * latent]
+
+
+def test_takes_zero_outside_reads_the_declaration():
+  """Which grouped matmuls `grouped_situ_glu` may ask to leave the rows past the groups unwritten:
+  those that declare `takes_zero_outside` (through functools.partial too), and no other."""
+  assert moe.takes_zero_outside(moe.default_ragged_dot("tokamax"))
+  assert moe.takes_zero_outside(functools.partial(moe.tokamax_ragged_dot, implementation="xla"))
+  assert not moe.takes_zero_outside(moe.default_ragged_dot("tiled"))
+  assert not moe.takes_zero_outside(jax.lax.ragged_dot)
+
+  def hook(lhs, rhs, group_sizes, preferred_element_type=None, *, zero_outside=True):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
+
+  assert not moe.takes_zero_outside(hook)
+  hook.takes_zero_outside = True
+  assert moe.takes_zero_outside(functools.partial(functools.partial(hook), zero_outside=True))
