@@ -24,6 +24,8 @@ from typing import Mapping
 import hlo_memory
 import kernel_scopes
 
+# bf16 matmul 8192^3 through jax.jit on one H200 (spec/PERFORMANCE.md): the MFU denominator.
+PEAK_TFLOPS_H200 = 869.0
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _ARRAY = re.compile(r"^[a-z]+\d*\[([\d,]*)\]")
 _OPERANDS = re.compile(r"\b(?:custom-call|fusion|dot)\((.*?)\)(?:,|$)")
@@ -117,7 +119,8 @@ def matmul_flops(hlo_text: str) -> dict[str, tuple[int, str, str]]:
   return out
 
 
-def gemm_rates(op_ns: Mapping[str, int], hlo_text: str, steps: int, peak_tflops: float = 869.0,
+def gemm_rates(op_ns: Mapping[str, int], hlo_text: str, steps: int,
+               peak_tflops: float = PEAK_TFLOPS_H200,
                top: int = 40) -> dict:
   """{'matmul_ms', 'matmul_tflop', 'tflops', 'unmatched_gemm_ms', 'rows': [...]}: the matmuls of
   `op_ns` (instruction or kernel name -> ns over `steps` steps) with their FLOPs from the HLO.

@@ -75,7 +75,8 @@ import numpy as np  # noqa: E402
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _REPO = os.path.dirname(os.path.dirname(_HERE))
-PEAK_TFLOPS_H200 = 869.0   # bf16 matmul 8192^3 through jax.jit on one H200 (PERFORMANCE.md)
+sys.path.insert(0, _HERE)
+from gemm_rates import PEAK_TFLOPS_H200  # noqa: E402  (the MFU denominator, one definition)
 ROWS = ("packed", "single")
 
 
