@@ -1,6 +1,6 @@
 r"""The routed experts on the GPU's kernels with rows past the groups: the Pallas SiTU-GLU (which
 zeroes those rows itself, so tokamax's grouped matmul skips its select) against XLA's SiTU-GLU
-(which keeps the select), and both against an fp32 dense reference.
+(which keeps the select), and both against an fp32 dense reference (`k3jax.ops.moe_reference`).
 
 On the GPU tokamax's grouped matmul leaves the rows past Σ group_sizes unwritten (whatever the
 memory held). Invalid tokens (padding) sort past the groups, so a third of the tokens here are
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax.ops.moe import default_ragged_dot, routed_experts
+from k3jax.ops.moe_reference import dense_routed_experts
 
 B1, B2 = 4.0, 25.0
 
@@ -43,17 +44,6 @@ def problem(tokens: int, latent: int, hidden: int, experts: int, k: int, seed: i
   w_out = bf(jax.random.normal(ks[4], (experts, hidden, latent)) * hidden ** -0.5)
   valid = jax.random.uniform(ks[5], (tokens,)) > 1 / 3
   return z, idx.astype(jnp.int32), weight, w_gate, w_up, w_out, valid
-
-
-def dense_reference(z, idx, weight, w_gate, w_up, w_out, valid):
-  """Every expert on every token in fp32, each token's k picked and weighted."""
-  gate = jnp.einsum("nl,elm->enm", z, w_gate, precision="highest")
-  up = jnp.einsum("nl,elm->enm", z, w_up, precision="highest")
-  h = B1 * jnp.tanh(gate / B1) * jax.nn.sigmoid(gate) * B2 * jnp.tanh(up / B2)
-  out = jnp.einsum("enm,eml->nel", h, w_out, precision="highest")
-  picked = jnp.take_along_axis(out, idx[:, :, None], axis=1)
-  y = jnp.einsum("nkl,nk->nl", picked, weight, precision="highest")
-  return jnp.where(valid[:, None], y, 0.0)
 
 
 def main() -> int:
@@ -87,7 +77,7 @@ def main() -> int:
                             activation=activation)[0]
     return f
 
-  ref = grads(lambda *a: dense_reference(a[0], idx, *a[1:], valid))
+  ref = grads(lambda *a: dense_routed_experts(a[0], idx, *a[1:], valid, B1, B2))
   results = {act: grads(ours(act)) for act in ("xla", "pallas")}
   ok = True
   for act, got in results.items():

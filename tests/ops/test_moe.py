@@ -17,6 +17,7 @@ from k3jax.ops import moe
 from k3jax.ops.moe import (default_ragged_dot, expert_capacity, gather_rows, routed_experts,
                            sort_with_inverse, sorted_group_sizes, tiled_ragged_dot,
                            tokamax_ragged_dot)
+from k3jax.ops.moe_reference import dense_routed_experts
 
 B1, B2 = 4.0, 25.0
 
@@ -355,17 +356,6 @@ def test_gather_rows_gradient_equals_autodiff_of_the_gather():
                              jax.grad(lambda x: jnp.sum(naive(x) * cot))(x), rtol=1e-6, atol=1e-6)
 
 
-def _dense_routed(z, idx, w, wg, wu, wo, valid):
-  """Every expert on every token, then each token's k picked and weighted (fp32)."""
-  gate = jnp.einsum("nl,elm->enm", z, wg)
-  up = jnp.einsum("nl,elm->enm", z, wu)
-  h = B1 * jnp.tanh(gate / B1) * jax.nn.sigmoid(gate) * B2 * jnp.tanh(up / B2)
-  out = jnp.einsum("enm,eml->nel", h, wo)                               # [N, E, ℓ]
-  picked = jnp.take_along_axis(out, idx[:, :, None], axis=1)            # [N, k, ℓ]
-  y = jnp.einsum("nkl,nk->nl", picked, w)
-  return jnp.where(valid[:, None], y, 0.0)
-
-
 # activation 'pallas': the SiTU-GLU kernels of pallas_kernels/situ_glu, in the Pallas interpreter.
 @pytest.mark.parametrize("grouped,activation", [("tokamax", "xla"), ("ragged_dot", "xla"),
                                                 ("ragged_dot", "pallas")])
@@ -377,7 +367,7 @@ def test_dropless_values_and_gradients_match_dense_reference(grouped, activation
 
 def _check_against_dense(problem, valid, ragged_dot_fn, activation, seed):
   """routed_experts' values and gradients (all five float inputs, a random cotangent) equal
-  `_dense_routed`'s."""
+  `dense_routed_experts`'."""
   z, idx, w, wg, wu, wo = (jnp.asarray(a) for a in problem)
   cot = jax.random.normal(jax.random.PRNGKey(seed), z.shape)
 
@@ -385,11 +375,13 @@ def _check_against_dense(problem, valid, ragged_dot_fn, activation, seed):
     return routed_experts(z, idx, w, wg, wu, wo, beta1=B1, beta2=B2, valid=valid,
                           ragged_dot_fn=ragged_dot_fn, activation=activation)[0]
 
+  def dense(z, w, wg, wu, wo):
+    return dense_routed_experts(z, idx, w, wg, wu, wo, valid, B1, B2)
+
   args = (z, w, wg, wu, wo)
-  np.testing.assert_allclose(jax.jit(ours)(*args), _dense_routed(z, idx, *args[1:], valid),
-                             rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(jax.jit(ours)(*args), dense(*args), rtol=1e-5, atol=1e-5)
   grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * cot), argnums=tuple(range(5))))
-  g_ref = grad(lambda z, w, wg, wu, wo: _dense_routed(z, idx, w, wg, wu, wo, valid))(*args)
+  g_ref = grad(dense)(*args)
   for name, a, b in zip(("z", "expert_weight", "w_gate", "w_up", "w_out"), grad(ours)(*args),
                         g_ref):
     np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=name)
