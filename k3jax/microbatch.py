@@ -255,13 +255,17 @@ class HostLoopStep:
 
   def _info(self, params, moe_state, batch: dict, num_micro: int) -> tuple[tuple, PyTree]:
     """(the cast dtypes per params leaf, or all None without cast_once; the mutated collections'
-    shapes) of `loss_fn` on one micro-batch of `batch`: one abstract trace per signature."""
-    abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-    micro_batch = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], split(b, num_micro)),
-                                 abstract(batch))
-    args = (abstract(params), abstract(moe_state), micro_batch)
-    key = str(jax.tree.structure(args)) + str(jax.tree.leaves(args))
+    shapes) of `loss_fn` on one micro-batch of `batch`: one abstract trace per signature (a step
+    with a signature seen before only builds the key)."""
+    def signature(tree):
+      return jax.tree.structure(tree), tuple((x.shape, x.dtype) for x in jax.tree.leaves(tree))
+
+    key = (num_micro, signature(params), signature(moe_state), signature(batch))
     if key not in self._loss_info:
+      abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+      micro_batch = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], split(b, num_micro)),
+                                   abstract(batch))
+      args = (abstract(params), abstract(moe_state), micro_batch)
       dtypes, out_shape = param_casts.single_cast_dtypes(self._loss_fn, *args)
       if not self._cast_once:
         dtypes = [None] * len(dtypes)
