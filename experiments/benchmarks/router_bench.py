@@ -15,26 +15,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 
 import jax
 import jax.numpy as jnp
 
+from conv_bench import time_ms   # the same timing loop (this folder is on sys.path)
 from k3jax.layers import common
 from k3jax.layers.moe import quantile_balance_thresholds
 
 
-def _time_ms(fn, *args, reps: int = 20, batches: int = 5) -> float:
-  jax.block_until_ready(fn(*args))
-  per_batch = []
-  for _ in range(batches):
-    t0 = time.perf_counter()
-    for _ in range(reps):
-      out = fn(*args)
-    jax.block_until_ready(out)
-    per_batch.append((time.perf_counter() - t0) / reps * 1e3)
-  return statistics.median(per_batch)
+REPS = 20
 
 
 def _fp32_logits(x, w):
@@ -53,8 +43,9 @@ def run(tokens: int, width: int, experts: int, top_k: int, name: str) -> None:
   new, old = grad_of(common.dot_in_fp32), grad_of(_fp32_logits)
   (_, (dx_n, dw_n)), (_, (dx_o, dw_o)) = new(x, w), old(x, w)
   y_n, y_o = jax.jit(common.dot_in_fp32)(x, w), jax.jit(_fp32_logits)(x, w)
-  print(json.dumps(dict(case=name, op="logits fwd+bwd", new_ms=round(_time_ms(new, x, w), 4),
-                        old_ms=round(_time_ms(old, x, w), 4),
+  print(json.dumps(dict(case=name, op="logits fwd+bwd",
+                        new_ms=round(time_ms(new, (x, w), REPS), 4),
+                        old_ms=round(time_ms(old, (x, w), REPS), 4),
                         max_diff_logits=float(jnp.max(jnp.abs(y_n - y_o))),
                         max_diff_dw=float(jnp.max(jnp.abs(dw_n - dw_o))),
                         max_diff_dx=float(jnp.max(jnp.abs(dx_n.astype(jnp.float32)
@@ -65,10 +56,10 @@ def run(tokens: int, width: int, experts: int, top_k: int, name: str) -> None:
   bias = 0.05 * jax.random.normal(kb, (experts,), jnp.float32)
   qb = jax.jit(lambda s, b: quantile_balance_thresholds(s, b, top_k)[0])
   top_k_fn = jax.jit(lambda s: jax.lax.top_k(s, top_k))
-  print(json.dumps(dict(case=name, op="qb thresholds", ms=round(_time_ms(qb, scores, bias), 4))),
-        flush=True)
+  print(json.dumps(dict(case=name, op="qb thresholds",
+                        ms=round(time_ms(qb, (scores, bias), REPS), 4))), flush=True)
   print(json.dumps(dict(case=name, op=f"top_k {top_k} of {experts}",
-                        ms=round(_time_ms(top_k_fn, scores + bias), 4))), flush=True)
+                        ms=round(time_ms(top_k_fn, (scores + bias,), REPS), 4))), flush=True)
 
 
 def main() -> None:
