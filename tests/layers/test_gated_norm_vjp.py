@@ -76,16 +76,20 @@ def test_backward_keeps_the_inputs_in_bf16_and_no_fp32_factor():
     assert full32 in _saved(plain, x, gate)                           # the check is not blind
 
 
+def _fp32_matmul(x, w):
+  """What `dot_in_fp32` replaced: both upcast, one matmul at HIGHEST precision."""
+  return jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
 def test_dot_in_fp32_on_fp32_x_is_the_highest_precision_matmul():
   from k3jax.layers.common import dot_in_fp32
   x = jax.random.normal(jax.random.PRNGKey(3), (2, 5, 16))
   w = jax.random.normal(jax.random.PRNGKey(4), (16, 6))
-  plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
-                               precision=jax.lax.Precision.HIGHEST)
   cot = jax.random.normal(jax.random.PRNGKey(5), (2, 5, 6))
-  np.testing.assert_array_equal(dot_in_fp32(x, w), plain(x, w))
+  np.testing.assert_array_equal(dot_in_fp32(x, w), _fp32_matmul(x, w))
   grads = lambda f: jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), (0, 1))(x, w)
-  _close(grads(dot_in_fp32), grads(plain), 1e-6)
+  _close(grads(dot_in_fp32), grads(_fp32_matmul), 1e-6)
 
 
 def test_bf16_pieces_sum_to_fp32_exactly():
@@ -111,13 +115,11 @@ def test_dot_in_fp32_on_bf16_x_has_fp32_accuracy_and_keeps_x_in_bf16():
   x = jax.random.normal(kx, (3, 40, 96)).astype(jnp.bfloat16)
   w = 0.02 * jax.random.normal(kw, (96, 12))
   cot = jax.random.normal(kc, (3, 40, 12))
-  plain = lambda x, w: jnp.dot(x.astype(jnp.float32), w.astype(jnp.float32),
-                               precision=jax.lax.Precision.HIGHEST)
   x64, w64, c64 = (np.asarray(a, np.float64) for a in (x, w, cot))
   ref = x64 @ w64
   y = jax.jit(dot_in_fp32)(x, w)
   assert y.dtype == jnp.float32
-  err_highest = np.abs(np.asarray(plain(x, w), np.float64) - ref).max()
+  err_highest = np.abs(np.asarray(_fp32_matmul(x, w), np.float64) - ref).max()
   assert np.abs(np.asarray(y, np.float64) - ref).max() <= 2 * err_highest + 1e-9
   grads = lambda f: jax.jit(jax.grad(lambda x, w: jnp.sum(f(x, w) * cot), (0, 1)))(x, w)
   dx, dw = grads(dot_in_fp32)
@@ -127,8 +129,8 @@ def test_dot_in_fp32_on_bf16_x_has_fp32_accuracy_and_keeps_x_in_bf16():
   # dx: at most half a bf16 step (2^-8 relative) from the exact value, plus the split's 2^-12.
   bound = 2.0 ** -8 * np.abs(dx_ref) + 2.0 ** -12 * (np.abs(c64) @ np.abs(w64.T))
   np.testing.assert_array_less(np.abs(np.asarray(dx, np.float64) - dx_ref), bound)
-  _, dw_highest = grads(plain)
+  _, dw_highest = grads(_fp32_matmul)
   err_highest = np.abs(np.asarray(dw_highest, np.float64) - dw_ref).max()
   assert np.abs(np.asarray(dw, np.float64) - dw_ref).max() <= 2 * err_highest + 1e-9
   assert (x.shape, jnp.dtype(jnp.float32)) not in _saved(dot_in_fp32, x, w)
-  assert (x.shape, jnp.dtype(jnp.float32)) in _saved(plain, x, w)
+  assert (x.shape, jnp.dtype(jnp.float32)) in _saved(_fp32_matmul, x, w)
