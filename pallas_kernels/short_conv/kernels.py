@@ -101,7 +101,8 @@ def _load_rows(ref, start, n, rows: _Rows, off: int, fill):
 
 def _conv_rows(x_ref, seg_ref, w, start, n, width, rows: _Rows):
   """y for the n tokens from `start` (fp32 [n, bc]), with what the backward reuses: the shifted
-  inputs xs[j] = x[t-j] (fp32) and masks[j] = m_j[t] ([n, 1] bool)."""
+  inputs xs[j] = x[t-j] (fp32), masks[j] = m_j[t] ([n, 1] bool) and the tokens' segment ids
+  ([n] int32)."""
   here = _load_rows(seg_ref, start, n, rows, rows.off, 0)
   valid = here != 0
   xs, masks, y = [], [], None
@@ -113,7 +114,7 @@ def _conv_rows(x_ref, seg_ref, w, start, n, width, rows: _Rows):
     y = term if y is None else y + term
     xs.append(xj)
     masks.append(m[:, None])
-  return y, xs, masks
+  return y, xs, masks, here
 
 
 def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, block_t: int, tiles: int,
@@ -124,7 +125,7 @@ def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, block_t: int, tiles
   base = pl.program_id(1) * tiles * block_t
 
   def tile(s, carry):
-    y, _, _ = _conv_rows(x_ref, seg_ref, w, base + s * block_t, block_t, width, rows)
+    y, _, _, _ = _conv_rows(x_ref, seg_ref, w, base + s * block_t, block_t, width, rows)
     o_ref[pl.ds(s * block_t, block_t), :] = (y * _sigmoid(y, rows.masked)).astype(o_ref.dtype)
     return carry
 
@@ -132,11 +133,11 @@ def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, block_t: int, tiles
 
 
 def _dy_rows(x_ref, seg_ref, dout_ref, w, start, n, width, rows: _Rows):
-  """dy for the n tokens from `start` ([n, bc] fp32) and `_conv_rows`' xs, masks."""
-  y, xs, masks = _conv_rows(x_ref, seg_ref, w, start, n, width, rows)
+  """dy for the n tokens from `start` ([n, bc] fp32) and `_conv_rows`' xs, masks, segment ids."""
+  y, xs, masks, seg = _conv_rows(x_ref, seg_ref, w, start, n, width, rows)
   sig = _sigmoid(y, rows.masked)
   dout = _load_rows(dout_ref, start, n, rows, 0, 0.0).astype(jnp.float32)
-  return dout * sig * (1.0 + y * (1.0 - sig)), xs, masks
+  return dout * sig * (1.0 + y * (1.0 - sig)), xs, masks, seg
 
 
 def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, scratch_ref, *, width: int,
@@ -150,16 +151,15 @@ def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, scratch_ref, *,
 
   def tile(s, dw):
     t0 = base + s * block_t
-    dy, xs, masks = _dy_rows(x_ref, seg_ref, dout_ref, w, t0, block_t, width, rows)
-    dy_next, _, _ = _dy_rows(x_ref, seg_ref, dout_ref, w, t0 + block_t, halo_t, width, rows)
+    dy, xs, masks, here = _dy_rows(x_ref, seg_ref, dout_ref, w, t0, block_t, width, rows)
+    dy_next, _, _, _ = _dy_rows(x_ref, seg_ref, dout_ref, w, t0 + block_t, halo_t, width, rows)
     barrier()   # the previous tile's reads of the slot are done
     scratch_ref[pl.ds(0, block_t), :] = dy
     scratch_ref[pl.ds(block_t, halo_t), :] = dy_next
     barrier()   # the slot holds dy for rows t0 .. t0 + block_t + halo_t - 1
-    here = _load_rows(seg_ref, t0, block_t, rows, rows.off, 0)
     dx = None
-    for i in range(width):
-      ahead = _load_rows(seg_ref, t0 + i, block_t, rows, rows.off, 0)
+    for i in range(width):   # the tile's own segment ids (i = 0) are dy's; the others, shifted
+      ahead = here if i == 0 else _load_rows(seg_ref, t0 + i, block_t, rows, rows.off, 0)
       m = (ahead != 0) & (ahead == here)
       term = w[width - 1 - i] * jnp.where(m[:, None], scratch_ref[pl.ds(i, block_t), :], 0.0)
       dx = term if dx is None else dx + term
