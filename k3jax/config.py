@@ -68,9 +68,10 @@ class ModelConfig:
   kda_gate_lower_bound: Optional[float] = -5.0   # None: the unbounded softplus gate (ablation)
   kda_chunk_size: int = 64
   kda_backend: str = "auto"       # auto | xla | pallas
-  # The short convs' backward: 'xla' (fused XLA ops), 'pallas' (two Pallas kernels,
-  # pallas_kernels/short_conv; interpreted on CPU; under a mesh each device runs them on its own
-  # rows) or 'auto' (pallas on a GPU, else xla; k3jax.ops.kernel_choice). RESULTS.md run 23.
+  # The short convs' forward and backward: 'xla' (fused XLA ops), 'pallas' (Pallas kernels that
+  # sweep the tokens a row at a time, pallas_kernels/short_conv; interpreted on CPU; under a mesh
+  # each device runs them on its own rows) or 'auto' (pallas on a GPU, else xla;
+  # k3jax.ops.kernel_choice). RESULTS.md runs 23, 26, 28.
   kda_conv_backward: str = "auto"
 
   # Gated MLA

@@ -17,8 +17,8 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
   autodiff           jax.grad of causal_conv1d then silu (what the layer ran before its VJP).
 
 Run (one GPU): PYTHONPATH=. python experiments/benchmarks/conv_bench.py;  --smoke: tiny, on CPU.
---sweep=32:128:8:4:1,64:128:4:4:1,...: the forward alone and the backward alone, XLA's against the
-Pallas kernels at each block_t:block_c:tiles_per_program:num_warps:num_stages.
+--sweep=128:256:1:1,64:256:1:1:0,...: the forward alone and the backward alone, XLA's against the
+Pallas kernels at each chunk_t:block_c:num_warps:num_stages[:branch (0 or 1, default 1)].
 """
 from __future__ import annotations
 
@@ -140,10 +140,10 @@ def sweep(x, kernel, seg, dout, configs: str, reps: int):
                         ms=round(time_ms(pads, (x,), reps), 4))), flush=True)
   rows = [("xla", xla_fwd, xla_bwd)]
   for text in configs.split(","):
-    bt, bc, tiles, warps, stages = (int(v) for v in text.split(":"))
-    cfg = short_conv.ConvConfig(block_t=bt, block_c=bc, tiles_per_program=tiles,
-                                launch=(warps, stages),
-                                interpret=jax.default_backend() == "cpu")
+    chunk, bc, warps, stages, *branch = (int(v) for v in text.split(":"))
+    cfg = short_conv.ConvConfig(chunk_t=chunk, block_c=bc,
+                                branch=bool(branch[0]) if branch else True,
+                                launch=(warps, stages), interpret=jax.default_backend() == "cpu")
     rows.append((text,
                  jax.jit(lambda x, k, s, cfg=cfg: short_conv.conv_silu_fwd(x, k, s, jnp.bfloat16,
                                                                            cfg)),

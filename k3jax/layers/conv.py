@@ -150,17 +150,28 @@ def _conv_silu(x, kernel, segment_ids, out_dtype):
 _conv_silu.defvjp(_conv_silu_fwd, _conv_silu_bwd)
 
 
-def _pallas_config() -> ConvConfig:
-  return ConvConfig(interpret=jax.default_backend() == "cpu")
+def _pallas_config(direction: str, shape) -> ConvConfig:
+  """The kernels' tiles for a device's x of `shape` [B, T, C]: one warp owns 256 channels (8 a
+  thread: 16-byte loads) of chunk_t tokens, the longest chunk (128, 64, 32) that still gives
+  ≥ 1536 programs in the backward and ≥ 3072 in the forward (its steps are shorter). Measured on
+  the H200 (RESULTS.md, run 28, call E), ms at [4 × 8192, C] against the tiled kernels before
+  them: C = 1536 backward 0.171 (chunk 128) against 0.400, forward 0.090 (chunk 64) against
+  0.131; C = 768 backward 0.096 (64) against 0.199, forward 0.052 (32) against 0.058."""
+  b, t, c = shape
+  wanted = 3072 if direction == "fwd" else 1536
+  chunk = 128
+  while chunk > 32 and b * -(-c // 256) * -(-t // chunk) < wanted:
+    chunk //= 2
+  return ConvConfig(chunk_t=chunk, interpret=jax.default_backend() == "cpu")
 
 
 def _conv_silu_pallas_fwd(x, kernel, segment_ids, out_dtype):
   """`_conv_silu_fwd`'s output from the Pallas kernel (pallas_kernels/short_conv), which reads x
   where it lies (no padded copy), interpreted on CPU; each device runs it on its own rows under a
   mesh that shards the batch (`sharding.map_over_batch_shards`)."""
-  config = _pallas_config()
   out = sharding.map_over_batch_shards(
-      lambda kernel, x, segment_ids: conv_silu_fwd(x, kernel, segment_ids, out_dtype, config),
+      lambda kernel, x, segment_ids: conv_silu_fwd(x, kernel, segment_ids, out_dtype,
+                                                   _pallas_config("fwd", x.shape)),
       x, segment_ids, shared=(kernel,))
   return out, (x, kernel, segment_ids)
 
@@ -173,10 +184,9 @@ def _conv_silu_pallas_bwd(out_dtype, residuals, dout):
   the kernel's gradient is the sum of the devices' partial sums."""
   del out_dtype
   x, kernel, segment_ids = residuals
-  config = _pallas_config()
 
   def local(kernel, x, segment_ids, dout):
-    dx, dkernel = conv_silu_bwd(x, kernel, segment_ids, dout, config)
+    dx, dkernel = conv_silu_bwd(x, kernel, segment_ids, dout, _pallas_config("bwd", x.shape))
     return dx, dkernel.astype(jnp.float32)[None]      # [1, W, C]: this device's partial sum
 
   dx, dkernel_parts = sharding.map_over_batch_shards(local, x, segment_ids, dout, shared=(kernel,))

@@ -7,26 +7,32 @@ silu'(y) = σ(y)(1 + y(1 − σ(y))):
   dw[W-1-i]    = Σ_{b,t} m_i[t] · dy[t] · x[t-i]
   dx[t]        = Σ_i w[W-1-i] · m_i[t+i] · dy[t+i],   m_i[t+i] = (seg[t+i] ≠ 0) · (seg[t] = seg[t+i])
 
-Both kernels read x, the segment ids and dout where they lie: the W-1 rows before a tile and the
-rows past the row's end are masked loads (positions outside [0, T) read as padding), so no padded
-copy of any [B, T, C] array is made. Each program walks `tiles_per_program` tiles of block_t
-tokens × block_c channels.
+Each program owns `block_c` channels of `chunk_t` consecutive tokens of one row and sweeps them one
+token row ([block_c] vector) at a time, keeping the W-1 neighbouring rows it needs in registers:
+every element of x and dout is loaded once (plus W-1 rows at a chunk's edge), y and its sigmoid
+are computed once, and no row is ever shifted, so no scratch memory or barrier is needed.
 
-The backward is one kernel. dx[t] needs dy at t .. t+W-1, and Triton cannot shift rows of a value
-held in registers, so each tile computes dy for its block_t rows and for the W-1 rows after them
-(a second, small tile: those rows' dy is computed twice, by this tile and the next), writes both
-into the program's own scratch rows (global memory that stays in L1/L2: one [block_t + Wp, block_c]
-fp32 slot a program, reused by its tiles), and reads them back at the W shifts after a barrier.
-dy never makes a round trip through memory at full size (the two-kernel version it replaces wrote
-dy in fp32 and read it back: ≈ 3× the bytes of x, dout and dx), and y's sigmoid is computed once
-per element (plus the W-1 extra rows a tile). The program's partial sums of dw stay in registers
-over its tiles (a [block_t, block_c] fp32 tile per tap, summed over rows at the end; [Wp, block_c]
-a program, which the caller adds).
+  forward   walks t upwards, carrying x[t-1] .. x[t-W+1] and their segment ids.
+  backward  walks t downwards, carrying x[t] .. x[t-W+2] (the x rows that y[t-1] .. needs next)
+            and dy[t+1] .. dy[t+W-1] with their segment ids: each step loads x[t-W+1], dout[t] and
+            one segment id, then writes dx[t]. A prologue of W-1 steps computes dy for the rows just
+            above the chunk (they belong to the next program, which computes them again) without
+            writing dx. The program's partial sums of dw stay in registers and are written once.
 
-In the Pallas interpreter (CPU) the inputs are padded instead (the interpreter clamps a slice
-that starts before an array), and the barriers are left out (its programs run one at a time).
-The kernel's W rows are padded to a power of two (Triton's blocks are powers of two), the extra
-rows zero.
+A row whose taps (and, in the backward, the rows whose dy reaches it) all lie in its own document
+takes a branch without the masks' selects (`ConvConfig.branch`): all but a document's first and
+last W-1 rows; the branch is uniform across the program, which handles one row at a time.
+
+Rows outside [0, T) read segment id 0: they never reach a token (m = 0), and the loads of x and
+dout at them are clamped to the row, so the same code runs compiled and in the interpreter, with no
+padded copy of any [B, T, C] array. Padding tokens (id 0) output 0 and get dy = 0, so no gradient
+flows to or from them.
+
+These replace (RESULTS.md, run 28) tiled kernels that loaded each [block_t, block_c] tile of x at
+the W shifts, recomputed dy for a halo of W-1 rows and round-tripped dy through a scratch slot
+between two barriers: bound by their instruction count, ≈ 6× the byte floor in the backward. On
+the H200 at [4 × 8192, 1536] bf16 the backward takes 0.17–0.18 ms against their 0.40 (XLA's
+0.51), the forward 0.09–0.10 against 0.10–0.13.
 """
 
 from __future__ import annotations
@@ -44,23 +50,24 @@ from pallas_kernels.common import check_powers_of_two, result_like
 
 @dataclasses.dataclass(frozen=True)
 class ConvConfig:
-  """Tile sizes (powers of two) and the Triton launch; the interpreter ignores the launch.
+  """Tiles (powers of two) and the Triton launch of both kernels.
 
   Attributes:
-    block_t: tokens per tile (raised to the next power of two >= W when smaller).
-    block_c: channels per tile.
-    tiles_per_program: tiles of block_t tokens per program (the backward's partial sums of dw and
-      its scratch slot are the program's: fewer of both with more tiles).
-    launch: (num_warps, num_stages) of both kernels. interpret: run in the Pallas interpreter (CPU).
+    chunk_t: tokens a program walks (the last program of a row may run past its end).
+    block_c: channels a program owns (each step loads one [block_c] row).
+    branch: rows whose taps all lie in their own segment (all but a document's first and last
+      W-1) take a branch without the masks' selects; False: every row computes the masks.
+    launch: (num_warps, num_stages); the interpreter ignores it.
+    interpret: run in the Pallas interpreter (CPU).
   """
-  block_t: int = 32
-  block_c: int = 64
-  tiles_per_program: int = 8
-  launch: tuple = (4, 1)
+  chunk_t: int = 128
+  block_c: int = 256
+  branch: bool = True
+  launch: tuple = (1, 1)
   interpret: bool = False
 
   def __post_init__(self):
-    check_powers_of_two(self, "block_t", "block_c", "tiles_per_program")
+    check_powers_of_two(self, "chunk_t", "block_c")
 
 
 def _sigmoid(y, fast: bool):
@@ -74,149 +81,177 @@ def _sigmoid(y, fast: bool):
       result_shape_dtypes=[jax.ShapeDtypeStruct(d.shape, jnp.float32)])[0]
 
 
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-  """Where a program's rows lie in its refs. t_len: the row's tokens T; off: the zero rows before
-  x and the segment ids in their refs (W-1 in the interpreter, else 0); masked: load with masks
-  (compiled) rather than from padded arrays (interpreter)."""
-  t_len: int
-  off: int
-  masked: bool
+def _row(ref, t, t_len: int):
+  """ref[t] as fp32 [1, bc], t clamped into [0, T) (callers mask what lies outside)."""
+  return ref[pl.ds(jnp.clip(t, 0, t_len - 1), 1), :].astype(jnp.float32)
 
 
-def _load_rows(ref, start, n, rows: _Rows, off: int, fill):
-  """ref[off + start + r] for r < n (rows of a [T, ...] ref); positions outside [0, T) read as
-  `fill` (their values are never used unmasked)."""
-  pos = start + jax.lax.broadcasted_iota(jnp.int32, (n,), 0)
-  ok = (pos >= 0) & (pos < rows.t_len)
-  if not rows.masked:
-    value = ref[pl.ds(off + start, n)]
-    return jnp.where(ok.reshape((n,) + (1,) * (value.ndim - 1)), value, fill)
-  block = ref.at[pl.ds(off + start, n)]
-  mask = ok if len(block.shape) == 1 else ok[:, None]
-  if len(block.shape) > 1:
-    mask = jnp.broadcast_to(mask, block.shape)
-  return pl_triton.load(block, mask=mask, other=fill)
+def _seg(ref, t, t_len: int):
+  """The segment id of row t as int32 [1]; 0 outside [0, T)."""
+  inside = (t >= 0) & (t < t_len)
+  return jnp.where(inside, ref[pl.ds(jnp.clip(t, 0, t_len - 1), 1)], 0)
 
 
-def _conv_rows(x_ref, seg_ref, w, start, n, width, rows: _Rows):
-  """y for the n tokens from `start` (fp32 [n, bc]), with what the backward reuses: the shifted
-  inputs xs[j] = x[t-j] (fp32), masks[j] = m_j[t] ([n, 1] bool) and the tokens' segment ids
-  ([n] int32)."""
-  here = _load_rows(seg_ref, start, n, rows, rows.off, 0)
-  valid = here != 0
-  xs, masks, y = [], [], None
-  for j in range(width):   # j = how many tokens back
-    m = valid if j == 0 else valid & (
-        _load_rows(seg_ref, start - j, n, rows, rows.off, 0) == here)
-    xj = _load_rows(x_ref, start - j, n, rows, rows.off, 0.0).astype(jnp.float32)
-    term = w[width - 1 - j] * jnp.where(m[:, None], xj, 0.0)
+def _y(w, xs, segs, masked: bool = True):
+  """y of one row ([1, bc] fp32) from xs[j] = x[t-j] and segs[j] = seg[t-j], j < W; `masked`
+  False when every tap lies in t's segment (no selects)."""
+  here = segs[0]
+  y = None
+  for j, xj in enumerate(xs):
+    if masked:
+      m = (here != 0) if j == 0 else (here != 0) & (segs[j] == here)
+      xj = jnp.where(m[:, None], xj, 0.0)
+    term = w[len(xs) - 1 - j] * xj
     y = term if y is None else y + term
-    xs.append(xj)
-    masks.append(m[:, None])
-  return y, xs, masks, here
+  return y
 
 
-def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, block_t: int, tiles: int,
-                rows: _Rows):
-  """x_ref [off + T (+ pad), bc], seg_ref [off + T (+ pad)] int32, w_ref [Wp, bc];
-  o_ref [tiles · block_t, bc], this program's tokens."""
-  w = [w_ref[k, :].astype(jnp.float32)[None, :] for k in range(width)]
-  base = pl.program_id(1) * tiles * block_t
-
-  def tile(s, carry):
-    y, _, _, _ = _conv_rows(x_ref, seg_ref, w, base + s * block_t, block_t, width, rows)
-    o_ref[pl.ds(s * block_t, block_t), :] = (y * _sigmoid(y, rows.masked)).astype(o_ref.dtype)
-    return carry
-
-  jax.lax.fori_loop(0, tiles, tile, 0)
+def _one_segment(here, others):
+  """Scalar bool: row t is a token (`here` ≠ 0) and every row of `others` lies in its segment.
+  Rows far from a document's edge take the branch without masks; their masks are all ones."""
+  ok = here != 0
+  for s in others:
+    ok = ok & (s == here)
+  return jnp.sum(ok.astype(jnp.int32)) > 0    # [1] -> scalar (Triton lowers no reduce_and)
 
 
-def _dy_rows(x_ref, seg_ref, dout_ref, w, start, n, width, rows: _Rows):
-  """dy for the n tokens from `start` ([n, bc] fp32) and `_conv_rows`' xs, masks, segment ids."""
-  y, xs, masks, seg = _conv_rows(x_ref, seg_ref, w, start, n, width, rows)
-  sig = _sigmoid(y, rows.masked)
-  dout = _load_rows(dout_ref, start, n, rows, 0, 0.0).astype(jnp.float32)
-  return dout * sig * (1.0 + y * (1.0 - sig)), xs, masks, seg
+def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, chunk: int, t_len: int,
+                branch: bool, fast: bool):
+  """x_ref [T, bc], seg_ref [T] int32, w_ref [Wp, bc]; o_ref [chunk, bc], this program's rows."""
+  w = [w_ref[pl.ds(k, 1), :].astype(jnp.float32) for k in range(width)]
+  t0 = pl.program_id(1) * chunk
+  # xs[j-1], segs[j-1]: x[t-j] and its segment id for the next row t, j = 1 .. W-1.
+  history = tuple(_row(x_ref, t0 - j, t_len) for j in range(1, width))
+  history_seg = tuple(_seg(seg_ref, t0 - j, t_len) for j in range(1, width))
+
+  def step(i, carry):
+    xs, segs = carry
+    t = t0 + i
+    x_t, seg_t = _row(x_ref, t, t_len), _seg(seg_ref, t, t_len)
+    xs_all, segs_all = (x_t,) + xs, (seg_t,) + segs
+    if branch:
+      y = jax.lax.cond(_one_segment(seg_t, segs), lambda: _y(w, xs_all, segs_all, masked=False),
+                       lambda: _y(w, xs_all, segs_all))
+    else:
+      y = _y(w, xs_all, segs_all)
+    o_ref[pl.ds(i, 1), :] = (y * _sigmoid(y, fast)).astype(o_ref.dtype)
+    return ((x_t,) + xs)[:width - 1], ((seg_t,) + segs)[:width - 1]
+
+  jax.lax.fori_loop(0, chunk, step, (history, history_seg))
 
 
-def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, scratch_ref, *, width: int,
-                block_t: int, halo_t: int, tiles: int, rows: _Rows):
-  """x_ref [off + T (+ pad), bc], seg_ref [off + T (+ pad)] int32, dout_ref [T (+ pad), bc],
-  w_ref [Wp, bc]; dx_ref [tiles · block_t, bc] (this program's tokens); dw_ref [Wp, bc] fp32, this
-  program's partial sums; scratch_ref [block_t + halo_t, bc] fp32, this program's slot."""
-  barrier = (lambda: None) if not rows.masked else pl_triton.debug_barrier
-  w = [w_ref[k, :].astype(jnp.float32)[None, :] for k in range(width)]
-  base = pl.program_id(1) * tiles * block_t
+def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, *, width: int, chunk: int,
+                t_len: int, branch: bool, fast: bool):
+  """x_ref, dout_ref [T, bc], seg_ref [T] int32, w_ref [Wp, bc]; dx_ref [chunk, bc] (this
+  program's rows); dw_ref [Wp, bc] fp32, this program's partial sums of the kernel's gradient."""
+  w = [w_ref[pl.ds(k, 1), :].astype(jnp.float32) for k in range(width)]
+  t0 = pl.program_id(1) * chunk
+  top = t0 + chunk + width - 2          # the highest row whose dy the chunk's dx needs
 
-  def tile(s, dw):
-    t0 = base + s * block_t
-    dy, xs, masks, here = _dy_rows(x_ref, seg_ref, dout_ref, w, t0, block_t, width, rows)
-    dy_next, _, _, _ = _dy_rows(x_ref, seg_ref, dout_ref, w, t0 + block_t, halo_t, width, rows)
-    barrier()   # the previous tile's reads of the slot are done
-    scratch_ref[pl.ds(0, block_t), :] = dy
-    scratch_ref[pl.ds(block_t, halo_t), :] = dy_next
-    barrier()   # the slot holds dy for rows t0 .. t0 + block_t + halo_t - 1
-    dx = None
-    for i in range(width):   # the tile's own segment ids (i = 0) are dy's; the others, shifted
-      ahead = here if i == 0 else _load_rows(seg_ref, t0 + i, block_t, rows, rows.off, 0)
-      m = (ahead != 0) & (ahead == here)
-      term = w[width - 1 - i] * jnp.where(m[:, None], scratch_ref[pl.ds(i, block_t), :], 0.0)
-      dx = term if dx is None else dx + term
-    dx_ref[pl.ds(s * block_t, block_t), :] = dx.astype(dx_ref.dtype)
-    # Summed over the tile's rows once, after the last tile: a column sum of a register tile is a
-    # reduction across warps.
-    return tuple(dw[j] + jnp.where(masks[j], dy * xs[j], 0.0) for j in range(width))
+  def step(t, carry, emit):
+    """Row t: y, dy (0 at padding), dx[t] from dy[t .. t+W-1]; dw's partial sums when `emit`."""
+    xs, segs, dys, dy_segs, dw = carry      # xs: x[t] .. x[t-W+2]; dys: dy[t+1] .. dy[t+W-1]
+    x_low, seg_low = _row(x_ref, t - width + 1, t_len), _seg(seg_ref, t - width + 1, t_len)
+    xs_all, segs_all = xs + (x_low,), segs + (seg_low,)
+    here = segs_all[0]
+    dout = _row(dout_ref, t, t_len)
 
-  acc = jnp.zeros((block_t, dw_ref.shape[1]), jnp.float32)
-  dw = jax.lax.fori_loop(0, tiles, tile, (acc,) * width)
-  for j in range(width):   # tap j weighs w[W-1-j]
-    dw_ref[width - 1 - j, :] = jnp.sum(dw[j], axis=0)
+    def rows(masked: bool):
+      """(dy, dx, dw) of row t; `masked` False: every row from t-W+1 to t+W-1 in t's segment."""
+      y = _y(w, xs_all, segs_all, masked)
+      sig = _sigmoid(y, fast)
+      dy = dout * sig * (1.0 + y * (1.0 - sig))
+      if masked:
+        dy = jnp.where((here != 0)[:, None], dy, 0.0)
+      if not emit:
+        return dy, None, dw
+      dx = w[width - 1] * dy
+      for i in range(1, width):             # dy[t+i] reaches dx[t] within t's segment
+        dyi = dys[i - 1]
+        if masked:
+          dyi = jnp.where((dy_segs[i - 1] == here)[:, None], dyi, 0.0)
+        dx = dx + w[width - 1 - i] * dyi
+      new_dw = []
+      for j in range(width):
+        g = dy * xs_all[j]
+        if masked:
+          g = jnp.where((segs_all[j] == here)[:, None], g, 0.0)
+        new_dw.append(dw[j] + g)
+      return dy, dx, tuple(new_dw)
+
+    if emit and not branch:
+      dy, dx, dw = rows(True)
+      dx_ref[pl.ds(t - t0, 1), :] = dx.astype(dx_ref.dtype)
+    elif emit:
+      dy, dx, dw = jax.lax.cond(_one_segment(here, segs_all[1:] + dy_segs),
+                                lambda: rows(False), lambda: rows(True))
+      dx_ref[pl.ds(t - t0, 1), :] = dx.astype(dx_ref.dtype)
+    else:
+      dy, _, _ = rows(True)
+    return (xs_all[1:], segs_all[1:], ((dy,) + dys)[:width - 1],
+            ((here,) + dy_segs)[:width - 1], dw)
+
+  zero_row = jnp.zeros((1, w_ref.shape[1]), jnp.float32)
+  zero_seg = jnp.zeros((1,), jnp.int32)
+  carry = (tuple(_row(x_ref, top - j, t_len) for j in range(width - 1)),
+           tuple(_seg(seg_ref, top - j, t_len) for j in range(width - 1)),
+           (zero_row,) * (width - 1), (zero_seg,) * (width - 1), (zero_row,) * width)
+  for k in range(width - 1):                # rows above the chunk: their dy only
+    carry = step(top - k, carry, emit=False)
+  carry = jax.lax.fori_loop(0, chunk, lambda i, c: step(t0 + chunk - 1 - i, c, emit=True), carry)
+  dw = carry[-1]
+  for j in range(width):                    # tap j weighs w[W-1-j]
+    dw_ref[pl.ds(width - 1 - j, 1), :] = dw[j]
   for k in range(width, dw_ref.shape[0]):
-    dw_ref[k, :] = jnp.zeros((dw_ref.shape[1],), jnp.float32)
+    dw_ref[pl.ds(k, 1), :] = zero_row
 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
-  """The tiling of one call: bt × bc tiles, `tiles` a program, `programs` programs along T;
-  tp / cp / wp: T, C and W padded to whole programs, tiles and a power of two."""
-  bt: int
+  chunk: int
   bc: int
-  tiles: int
   programs: int
   tp: int
   cp: int
   wp: int
-  halo_t: int
 
-  def grid(self, b: int) -> tuple[int, int, int]:
+  def grid(self, b: int):
     return (b, self.programs, self.cp // self.bc)
 
-  def rows_spec(self, n: int) -> pl.BlockSpec:
-    """A [B, n, C] operand: each program reads its row's n rows whole, one channel block."""
-    return pl.BlockSpec((None, n, self.bc), lambda bi, ti, ci: (bi, 0, ci))
+  def rows_spec(self, t: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, t, self.bc), lambda bi, ti, ci: (bi, 0, ci))
 
-  def seg_spec(self, n: int) -> pl.BlockSpec:
-    """The [B, n] segment ids, each program its row's."""
-    return pl.BlockSpec((None, n), lambda bi, ti, ci: (bi, 0))
+  def seg_spec(self, t: int) -> pl.BlockSpec:
+    return pl.BlockSpec((None, t), lambda bi, ti, ci: (bi, 0))
 
   def kernel_spec(self) -> pl.BlockSpec:
-    """The [Wp, Cp] kernel, one channel block."""
     return pl.BlockSpec((self.wp, self.bc), lambda bi, ti, ci: (0, ci))
 
-  def tokens_spec(self) -> pl.BlockSpec:
-    """A [B, Tp, Cp] result: each program writes its tokens, one channel block."""
-    return pl.BlockSpec((None, self.tiles * self.bt, self.bc), lambda bi, ti, ci: (bi, ti, ci))
+  def chunk_spec(self) -> pl.BlockSpec:
+    return pl.BlockSpec((None, self.chunk, self.bc), lambda bi, ti, ci: (bi, ti, ci))
 
 
 def _layout(t: int, c: int, width: int, config: ConvConfig) -> _Layout:
-  bt = max(min(config.block_t, pl.next_power_of_2(t)), pl.next_power_of_2(width))
+  chunk = min(config.chunk_t, pl.next_power_of_2(t))
   bc = min(config.block_c, pl.next_power_of_2(c))
-  tiles = min(config.tiles_per_program, pl.cdiv(t, bt))
-  programs = pl.cdiv(t, tiles * bt)
-  return _Layout(bt=bt, bc=bc, tiles=tiles, programs=programs, tp=programs * tiles * bt,
-                 cp=pl.cdiv(c, bc) * bc, wp=pl.next_power_of_2(width),
-                 halo_t=pl.next_power_of_2(max(width - 1, 1)))
+  programs = pl.cdiv(t, chunk)
+  return _Layout(chunk=chunk, bc=bc, programs=programs, tp=programs * chunk,
+                 cp=pl.cdiv(c, bc) * bc, wp=pl.next_power_of_2(width))
+
+
+def _params(config: ConvConfig) -> dict:
+  if config.interpret:
+    return {}
+  return dict(compiler_params=pl_triton.CompilerParams(num_warps=config.launch[0],
+                                                       num_stages=config.launch[1]))
+
+
+def _padded(lay: _Layout, kernel, *arrays):
+  """The kernel padded to [Wp, Cp] and each [B, T, C] array to Cp channels."""
+  pad_c = lay.cp - kernel.shape[1]
+  w = jnp.pad(kernel, ((0, lay.wp - kernel.shape[0]), (0, pad_c)))
+  return (w,) + tuple(a if not pad_c else jnp.pad(a, ((0, 0), (0, 0), (0, pad_c)))
+                      for a in arrays)
 
 
 def _check(name, x, kernel, segment_ids, dout=None):
@@ -236,33 +271,6 @@ def _check(name, x, kernel, segment_ids, dout=None):
   return segment_ids.astype(jnp.int32)
 
 
-def _operands(x, kernel, seg, lay: _Layout, interpret: bool, dout=None):
-  """(x, seg, dout, kernel, rows) as the kernels read them: padded in the interpreter (W-1 rows
-  before, whole programs and a halo tile after), only the channels and W padded when compiled."""
-  b, t, c = x.shape
-  width = kernel.shape[0]
-  halo = width - 1
-  pad_c = lay.cp - c
-  w = jnp.pad(kernel, ((0, lay.wp - width), (0, pad_c)))
-  if interpret:
-    after = lay.tp + lay.halo_t - t
-    x = jnp.pad(x, ((0, 0), (halo, after), (0, pad_c)))
-    seg = jnp.pad(seg, ((0, 0), (halo, after)))
-    dout = None if dout is None else jnp.pad(dout, ((0, 0), (0, after), (0, pad_c)))
-    return x, seg, dout, w, _Rows(t_len=t, off=halo, masked=False)
-  if pad_c:
-    x = jnp.pad(x, ((0, 0), (0, 0), (0, pad_c)))
-    dout = None if dout is None else jnp.pad(dout, ((0, 0), (0, 0), (0, pad_c)))
-  return x, seg, dout, w, _Rows(t_len=t, off=0, masked=True)
-
-
-def _params(config: ConvConfig) -> dict:
-  if config.interpret:
-    return {}
-  return dict(compiler_params=pl_triton.CompilerParams(num_warps=config.launch[0],
-                                                       num_stages=config.launch[1]))
-
-
 def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
                   config: ConvConfig = ConvConfig()) -> jax.Array:
   """silu(causal depthwise conv(x, kernel)) (module docstring) in `out_dtype`, the math in fp32.
@@ -274,12 +282,13 @@ def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
   b, t, c = x.shape
   width = kernel.shape[0]
   lay = _layout(t, c, width, config)
-  xs, seg, _, w, rows = _operands(x, kernel, seg, lay, config.interpret)
+  w, xs = _padded(lay, kernel, x)
   out = pl.pallas_call(
-      functools.partial(_fwd_kernel, width=width, block_t=lay.bt, tiles=lay.tiles, rows=rows),
+      functools.partial(_fwd_kernel, width=width, chunk=lay.chunk, t_len=t,
+                        branch=config.branch, fast=not config.interpret),
       grid=lay.grid(b),
-      in_specs=[lay.rows_spec(xs.shape[1]), lay.seg_spec(seg.shape[1]), lay.kernel_spec()],
-      out_specs=lay.tokens_spec(),
+      in_specs=[lay.rows_spec(t), lay.seg_spec(t), lay.kernel_spec()],
+      out_specs=lay.chunk_spec(),
       out_shape=result_like(x, (b, lay.tp, lay.cp), out_dtype),
       interpret=config.interpret, name="short_conv_silu_fwd", **_params(config),
   )(xs, seg, w)
@@ -292,26 +301,22 @@ def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
 
   x [B, T, C]; kernel [W, C] (kernel[W-1] weighs the current token); segment_ids [B, T] int
   (0 = padding) or None (one document a row); dout [B, T, C]. Returns dx [B, T, C] in x.dtype and
-  dkernel [W, C] in kernel.dtype; the math in fp32.
+  dkernel [W, C] in kernel.dtype (the sum of the programs' partial sums); the math in fp32.
   """
   seg = _check("conv_silu_bwd", x, kernel, segment_ids, dout)
   b, t, c = x.shape
   width = kernel.shape[0]
   lay = _layout(t, c, width, config)
-  xs, seg, douts, w, rows = _operands(x, kernel, seg, lay, config.interpret, dout)
-  slot = lay.bt + lay.halo_t
-  dx, dw, _ = pl.pallas_call(
-      functools.partial(_bwd_kernel, width=width, block_t=lay.bt, halo_t=lay.halo_t,
-                        tiles=lay.tiles, rows=rows),
+  w, xs, douts = _padded(lay, kernel, x, dout)
+  dx, dw = pl.pallas_call(
+      functools.partial(_bwd_kernel, width=width, chunk=lay.chunk, t_len=t,
+                        branch=config.branch, fast=not config.interpret),
       grid=lay.grid(b),
-      in_specs=[lay.rows_spec(xs.shape[1]), lay.seg_spec(seg.shape[1]),
-                lay.rows_spec(douts.shape[1]), lay.kernel_spec()],
-      out_specs=[lay.tokens_spec(),
-                 pl.BlockSpec((None, None, lay.wp, lay.bc), lambda bi, ti, ci: (bi, ti, 0, ci)),
-                 pl.BlockSpec((None, None, slot, lay.bc), lambda bi, ti, ci: (bi, ti, 0, ci))],
+      in_specs=[lay.rows_spec(t), lay.seg_spec(t), lay.rows_spec(t), lay.kernel_spec()],
+      out_specs=[lay.chunk_spec(),
+                 pl.BlockSpec((None, None, lay.wp, lay.bc), lambda bi, ti, ci: (bi, ti, 0, ci))],
       out_shape=[result_like(x, (b, lay.tp, lay.cp), x.dtype),
-                 result_like(x, (b, lay.programs, lay.wp, lay.cp), jnp.float32),
-                 result_like(x, (b, lay.programs, slot, lay.cp), jnp.float32)],
+                 result_like(x, (b, lay.programs, lay.wp, lay.cp), jnp.float32)],
       interpret=config.interpret, name="short_conv_silu_bwd", **_params(config),
   )(xs, seg, douts, w)
   dkernel = jnp.sum(dw, axis=(0, 1))[:width, :c]

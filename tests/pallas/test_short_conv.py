@@ -12,11 +12,13 @@ from k3jax.layers.conv import causal_conv1d
 from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd, conv_silu_fwd
 
 # Documents of 3, 4, 2 tokens, padding, a document of 5; a row of two documents; 14 tokens, so the
-# 4-token tiles below (two a program) leave a partial last tile and program,
-# and documents cross tile and program edges.
+# 4-token chunks below leave a partial last program, and documents cross chunk edges; 8 channels a
+# program of 20 leave a partial channel block. With the branch that skips the masks inside a
+# document, and without.
 SEG = np.array([[1, 1, 1, 2, 2, 2, 2, 3, 3, 0, 0, 0, 4, 4],
                 [1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2]], np.int32)
-SMALL_TILES = ConvConfig(block_t=4, block_c=8, tiles_per_program=2, interpret=True)
+SMALL = ConvConfig(chunk_t=4, block_c=8, interpret=True)
+SMALL_CONFIGS = [SMALL, ConvConfig(chunk_t=8, block_c=8, branch=False, interpret=True)]
 
 
 def naive_fwd(x, kernel, seg):
@@ -67,12 +69,13 @@ def _inputs(width, c, dtype, seed=0):
   return x, kernel, dout
 
 
+@pytest.mark.parametrize("config", SMALL_CONFIGS)
 @pytest.mark.parametrize("width", [1, 3, 4])
 @pytest.mark.parametrize("segments", [True, False])
-def test_matches_the_naive_gradient(width, segments):
+def test_matches_the_naive_gradient(width, segments, config):
   x, kernel, dout = _inputs(width, 20, jnp.float32, seed=width)
   seg = jnp.asarray(SEG) if segments else None
-  dx, dk = conv_silu_bwd(x, kernel, seg, dout, SMALL_TILES)
+  dx, dk = conv_silu_bwd(x, kernel, seg, dout, config)
   want_dx, want_dk = naive_bwd(x, kernel, None if seg is None else SEG, dout)
   assert dx.shape == x.shape and dk.shape == kernel.shape
   np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
@@ -81,12 +84,13 @@ def test_matches_the_naive_gradient(width, segments):
     assert np.all(np.asarray(dx)[0, 9:12] == 0)
 
 
+@pytest.mark.parametrize("config", SMALL_CONFIGS)
 @pytest.mark.parametrize("width", [1, 3, 4])
 @pytest.mark.parametrize("segments", [True, False])
-def test_forward_matches_the_naive_output(width, segments):
+def test_forward_matches_the_naive_output(width, segments, config):
   x, kernel, _ = _inputs(width, 20, jnp.float32, seed=width + 10)
   seg = jnp.asarray(SEG) if segments else None
-  out = conv_silu_fwd(x, kernel, seg, jnp.float32, SMALL_TILES)
+  out = conv_silu_fwd(x, kernel, seg, jnp.float32, config)
   want = naive_fwd(x, kernel, None if seg is None else SEG)
   assert out.shape == x.shape and out.dtype == jnp.float32
   np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
@@ -95,14 +99,13 @@ def test_forward_matches_the_naive_output(width, segments):
 
 
 def test_a_row_shorter_than_a_tile_and_one_program_of_many_tiles():
-  """The default tiles (32 tokens, 64 channels) on rows of 14 tokens and 20 channels: one partial
-  tile; and 4-token tiles, 8 a program, on 14 tokens: one program, its last tiles past the row."""
+  """The default tiles (128 tokens, 256 channels) on rows of 14 tokens and 20 channels: one
+  program, most of its rows past the row's end; and 32-token chunks of 16 channels."""
   x, kernel, dout = _inputs(4, 20, jnp.float32, seed=3)
   seg = jnp.asarray(SEG)
   want_out = naive_fwd(x, kernel, SEG)
   want_dx, want_dk = naive_bwd(x, kernel, SEG, dout)
-  for cfg in (ConvConfig(interpret=True),
-              ConvConfig(block_t=4, block_c=16, tiles_per_program=8, interpret=True)):
+  for cfg in (ConvConfig(interpret=True), ConvConfig(chunk_t=32, block_c=16, interpret=True)):
     np.testing.assert_allclose(np.asarray(conv_silu_fwd(x, kernel, seg, jnp.float32, cfg)),
                                want_out, rtol=1e-5, atol=1e-6)
     dx, dk = conv_silu_bwd(x, kernel, seg, dout, cfg)
@@ -110,7 +113,8 @@ def test_a_row_shorter_than_a_tile_and_one_program_of_many_tiles():
     np.testing.assert_allclose(np.asarray(dk), want_dk, rtol=1e-5, atol=1e-4)
 
 
-def test_bf16_matches_autodiff_of_the_forward():
+@pytest.mark.parametrize("config", SMALL_CONFIGS)
+def test_bf16_matches_autodiff_of_the_forward(config):
   x, kernel, dout = _inputs(4, 16, jnp.bfloat16, seed=7)
   kernel = kernel.astype(jnp.bfloat16)
   seg = jnp.asarray(SEG)
@@ -121,9 +125,9 @@ def test_bf16_matches_autodiff_of_the_forward():
 
   _, vjp = jax.vjp(forward, x, kernel)
   want_dx, want_dk = vjp(dout)
-  dx, dk = conv_silu_bwd(x, kernel, seg, dout, SMALL_TILES)
+  dx, dk = conv_silu_bwd(x, kernel, seg, dout, config)
   assert dx.dtype == jnp.bfloat16 and dk.dtype == jnp.bfloat16
-  out = conv_silu_fwd(x, kernel, seg, jnp.bfloat16, SMALL_TILES)
+  out = conv_silu_fwd(x, kernel, seg, jnp.bfloat16, config)
   want_out = forward(x, kernel)
   assert out.dtype == jnp.bfloat16
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(want_out, np.float32),
@@ -140,13 +144,13 @@ def test_default_tiles_and_bad_input():
   want_dx, want_dk = naive_bwd(x, kernel, SEG, dout)
   np.testing.assert_allclose(np.asarray(dx), want_dx, rtol=1e-5, atol=1e-5)
   np.testing.assert_allclose(np.asarray(dk), want_dk, rtol=1e-5, atol=1e-4)
-  with pytest.raises(ValueError, match="power of two"):
-    ConvConfig(block_t=24)
+  with pytest.raises(ValueError, match="ConvConfig.chunk_t must be a power of two"):
+    ConvConfig(chunk_t=48)
   with pytest.raises(ValueError, match="segment_ids"):
-    conv_silu_bwd(x, kernel, jnp.asarray(SEG[:, :5]), dout, SMALL_TILES)
+    conv_silu_bwd(x, kernel, jnp.asarray(SEG[:, :5]), dout, SMALL)
   with pytest.raises(ValueError, match="do not fit"):
-    conv_silu_bwd(x, kernel[:, :3], None, dout, SMALL_TILES)
+    conv_silu_bwd(x, kernel[:, :3], None, dout, SMALL)
   with pytest.raises(ValueError, match="conv_silu_fwd: segment_ids"):
-    conv_silu_fwd(x, kernel, jnp.asarray(SEG[:, :5]), jnp.float32, SMALL_TILES)
+    conv_silu_fwd(x, kernel, jnp.asarray(SEG[:, :5]), jnp.float32, SMALL)
   with pytest.raises(ValueError, match="conv_silu_fwd: .* do not fit"):
-    conv_silu_fwd(x, kernel[:, :3], None, jnp.float32, SMALL_TILES)
+    conv_silu_fwd(x, kernel[:, :3], None, jnp.float32, SMALL)
