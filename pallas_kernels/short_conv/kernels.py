@@ -179,15 +179,15 @@ def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, *, width: int, 
         new_dw.append(dw[j] + g)
       return dy, dx, tuple(new_dw)
 
-    if emit and not branch:
-      dy, dx, dw = rows(True)
-      dx_ref[pl.ds(t - t0, 1), :] = dx.astype(dx_ref.dtype)
-    elif emit:
-      dy, dx, dw = jax.lax.cond(_one_segment(here, segs_all[1:] + dy_segs),
-                                lambda: rows(False), lambda: rows(True))
-      dx_ref[pl.ds(t - t0, 1), :] = dx.astype(dx_ref.dtype)
-    else:
+    if not emit:
       dy, _, _ = rows(True)
+    else:
+      if branch:
+        dy, dx, dw = jax.lax.cond(_one_segment(here, segs_all[1:] + dy_segs),
+                                  lambda: rows(False), lambda: rows(True))
+      else:
+        dy, dx, dw = rows(True)
+      dx_ref[pl.ds(t - t0, 1), :] = dx.astype(dx_ref.dtype)
     return (xs_all[1:], segs_all[1:], ((dy,) + dys)[:width - 1],
             ((here,) + dy_segs)[:width - 1], dw)
 
@@ -208,6 +208,8 @@ def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, *, width: int, 
 
 @dataclasses.dataclass(frozen=True)
 class _Layout:
+  """One call's programs: chunk × bc each, `programs` along T, Cp // bc along C; tp / cp / wp:
+  T, C and W padded to whole chunks, channel blocks and a power of two."""
   chunk: int
   bc: int
   programs: int

@@ -108,3 +108,19 @@ def test_state_with_segments_raises():
   with pytest.raises(ValueError, match="segment_ids must be None"):
     causal_conv1d(jnp.ones((1, 3, 2)), jnp.ones((4, 2)), jnp.ones((1, 3), jnp.int32),
                   jnp.zeros((1, 3, 2)))
+
+
+def test_pallas_chunk_rule_gives_each_direction_its_programs():
+  """The kernels' chunk: the longest of 128, 64, 32 tokens that gives ≥ 1536 programs backward and
+  ≥ 3072 forward (256 channels a program), as measured best on the H200 (RESULTS.md run 28):
+  medium.gin's [4, 8192, 1536] 128 / 64, small.gin's [4, 8192, 768] 64 / 32; a 1M-token row keeps
+  128; a short row bottoms out at 32; each device's shape decides under a mesh."""
+  from k3jax.layers.conv import _pallas_config
+  chunks = lambda shape: (_pallas_config("bwd", shape).chunk_t,
+                          _pallas_config("fwd", shape).chunk_t)
+  assert chunks((4, 8192, 1536)) == (128, 64)
+  assert chunks((4, 8192, 768)) == (64, 32)
+  assert chunks((1, 1 << 20, 1536)) == (128, 128)
+  assert chunks((1, 256, 64)) == (32, 32)
+  assert chunks((2, 8192, 1536)) == (64, 32)          # half the batch on each of two devices
+  assert _pallas_config("bwd", (4, 8192, 1536)).block_c == 256

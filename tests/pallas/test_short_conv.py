@@ -98,7 +98,7 @@ def test_forward_matches_the_naive_output(width, segments, config):
     assert np.all(np.asarray(out)[0, 9:12] == 0)
 
 
-def test_a_row_shorter_than_a_tile_and_one_program_of_many_tiles():
+def test_a_row_shorter_than_a_chunk():
   """The default tiles (128 tokens, 256 channels) on rows of 14 tokens and 20 channels: one
   program, most of its rows past the row's end; and 32-token chunks of 16 channels."""
   x, kernel, dout = _inputs(4, 20, jnp.float32, seed=3)
