@@ -13,3 +13,19 @@ def test_lowering_for_cuda_on_a_cpu_host():
   init, step = bench.measure(cfg, batch=2, seq_len=32, platform="cuda")
   assert [init["phase"], step["phase"]] == ["init", "step"]
   assert "compile_s" not in init and "compile_s" not in step and step["lower_s"] > 0
+
+
+def test_a_host_loop_step_is_lowered_and_compiled_as_one():
+  """StagesConfig.microbatch_loop = 'host' (small.gin's and medium.gin's): the step's programs are
+  traced and lowered together (trace_lower_s) and compiled on this host; --platform=cuda is
+  refused with the setting named."""
+  bench = load_benchmark("startup_bench")
+  cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS + ["StagesConfig.microbatch_loop = 'host'"])
+  init, step = bench.measure(cfg, batch=2, seq_len=32, platform="cpu")
+  assert step["trace_lower_s"] > 0 and step["compile_s"] > 0 and "trace_s" not in step
+  try:
+    bench.measure(cfg, batch=2, seq_len=32, platform="cuda")
+  except SystemExit as e:
+    assert "microbatch_loop" in str(e)
+  else:
+    raise AssertionError("--platform=cuda with a host-loop step was not refused")

@@ -8,7 +8,9 @@ For a config (gin files + bindings) and a batch shape, prints one JSON line per 
          (top-level fusions of the optimised HLO, a proxy for the code the backend generates);
   step   the training step of `train.make_train_step`: trace_s (Python tracing to a jaxpr),
          lower_s (jaxpr -> StableHLO, where the Pallas kernels become Triton IR), compile_s, and
-         temp_gib from the compiled step's memory analysis.
+         temp_gib from the compiled step's memory analysis; for a host-loop step
+         (StagesConfig.microbatch_loop = 'host', small.gin's and medium.gin's) trace_lower_s,
+         its programs traced and lowered together.
 
 --platform=cuda on a machine without a GPU lowers for CUDA and stops there (compile times need the
 target device), but with the CPU machine's kernel choices: 'auto' picks the XLA KDA, the XLA
@@ -78,12 +80,20 @@ def _measure(cfg, batch, seq_len, compile_here, lowering):
   spec = lambda dtype: jax.ShapeDtypeStruct((batch, seq_len), dtype)
   batch_spec = {"inputs": spec(jnp.int32), "targets": spec(jnp.int32),
                 "segment_ids": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
-  traced, trace_s = _timed(lambda: step.trace(state, batch_spec))
-  lowered, lower_s = _timed(lambda: traced.lower(**lowering))
-  row = dict(phase="step", batch=batch, seq_len=seq_len, trace_s=trace_s, lower_s=lower_s)
+  row = dict(phase="step", batch=batch, seq_len=seq_len)
+  if hasattr(step, "trace"):
+    traced, row["trace_s"] = _timed(lambda: step.trace(state, batch_spec))
+    lowered, row["lower_s"] = _timed(lambda: traced.lower(**lowering))
+  else:
+    # StagesConfig.microbatch_loop = 'host' (`k3jax.microbatch.HostLoopStep`): its programs are
+    # traced and lowered together, for the default backend only.
+    if lowering:
+      raise SystemExit("startup_bench: --platform needs StagesConfig.microbatch_loop = 'scan' "
+                       "(the host loop's step lowers for the default backend only)")
+    lowered, row["trace_lower_s"] = _timed(lambda: step.lower(state, batch_spec))
   if compile_here:
     compiled, row["compile_s"] = _timed(lowered.compile)
-    memory = compiled.memory_analysis()
+    memory = compiled.memory_analysis() if hasattr(compiled, "memory_analysis") else None
     row["temp_gib"] = None if memory is None else round(memory.temp_size_in_bytes / 2**30, 2)
   rows.append(row)
   return rows
