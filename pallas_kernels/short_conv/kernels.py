@@ -273,6 +273,9 @@ def _check(name, x, kernel, segment_ids, dout=None):
   return segment_ids.astype(jnp.int32)
 
 
+# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
+# call site (a step calls it once per layer; XLA inlines the call).
+@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
 def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
                   config: ConvConfig = ConvConfig()) -> jax.Array:
   """silu(causal depthwise conv(x, kernel)) (module docstring) in `out_dtype`, the math in fp32.
@@ -297,6 +300,9 @@ def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
   return out[:, :t, :c]
 
 
+# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
+# call site (a step calls it once per layer; XLA inlines the call).
+@functools.partial(jax.jit, static_argnames=("config",))
 def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
                   config: ConvConfig = ConvConfig()) -> tuple[jax.Array, jax.Array]:
   """(dx, dkernel) of out = silu(causal depthwise conv(x, kernel)) (module docstring).
