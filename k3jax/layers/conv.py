@@ -14,6 +14,7 @@ document.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional, Tuple
@@ -158,11 +159,12 @@ def _pallas_config(direction: str, shape) -> ConvConfig:
   them: C = 1536 backward 0.171 (chunk 128) against 0.400, forward 0.090 (chunk 64) against
   0.131; C = 768 backward 0.096 (64) against 0.199, forward 0.052 (32) against 0.058."""
   b, t, c = shape
+  base = ConvConfig(interpret=jax.default_backend() == "cpu")
   wanted = 3072 if direction == "fwd" else 1536
-  chunk = 128
-  while chunk > 32 and b * -(-c // 256) * -(-t // chunk) < wanted:
+  chunk = base.chunk_t
+  while chunk > 32 and b * -(-c // base.block_c) * -(-t // chunk) < wanted:
     chunk //= 2
-  return ConvConfig(chunk_t=chunk, interpret=jax.default_backend() == "cpu")
+  return dataclasses.replace(base, chunk_t=chunk)
 
 
 def _conv_silu_pallas_fwd(x, kernel, segment_ids, out_dtype):
