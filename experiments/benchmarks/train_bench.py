@@ -403,6 +403,10 @@ def run_case(case: dict, args, process_start: float) -> dict:
       jax.block_until_ready(m)
     emit(event="profile", case=name, logdir=logdir,
          **top_kernels(logdir, args.profile_steps, args.profile_top))
+    if args.gaps:
+      sys.path.insert(0, _HERE)
+      import gpu_gaps
+      emit(event="gaps", case=name, steps=args.profile_steps, **gpu_gaps.gpu_gaps(logdir))
     if args.memory_report:
       ops, hlo_text = profiled_step(logdir, os.environ["K3JAX_BENCH_DUMP"])
       emit(event="profile_scopes", case=name, **scope_kernel_times(
@@ -428,6 +432,8 @@ def _child(case: dict, args, run: int, cache_dir: str, timeout_s: float) -> None
   cmd += [f"--gin_bindings={b}" for b in args.gin_bindings]
   if args.profile and run == 1:  # the warm re-run runs the same executable
     cmd.append(f"--profile={args.profile}")
+    if args.gaps:
+      cmd.append("--gaps")
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(
       p for p in (_REPO, os.environ.get("PYTHONPATH", "")) if p))
   if args.memory_report and run == 1:  # the warm re-run compiles nothing to dump
@@ -506,6 +512,9 @@ def main(argv=None) -> int:
   p.add_argument("--peak_tflops", type=float, default=PEAK_TFLOPS_H200)
   p.add_argument("--profile", default="", help="folder for jax.profiler traces (off if empty)")
   p.add_argument("--profile_steps", type=int, default=3)
+  p.add_argument("--gaps", action="store_true",
+                 help="with --profile: the GPU's idle time per program and its largest gaps "
+                      "(gpu_gaps.py)")
   p.add_argument("--profile_top", type=int, default=15,
                  help="--profile: how many kernels (and, with --memory_report, at least 40 "
                       "scopes) to list, by device time")

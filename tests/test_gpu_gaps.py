@@ -1,0 +1,71 @@
+"""experiments/benchmarks/gpu_gaps.py on a synthetic trace (an XSpace written as the profiler
+would): busy time as the union of overlapping streams, idle time per program and the gaps'
+sources."""
+
+import pytest
+from jax.profiler import ProfileData
+
+from testlib import load_benchmark
+
+gpu_gaps = load_benchmark("gpu_gaps")
+
+# Two streams (times in µs, written in ps): A runs k1 [0, 2), k2 [10, 15), k3 [40, 50); B runs
+# k4 [1, 4) (overlapping k1) and k5 [15, 20) (starting as k2 ends). Busy: [0, 4), [10, 20),
+# [40, 50); gaps of 6 µs (k4 -> k2) and 20 µs (k5 -> k3). Programs: prog_a [0, 20), prog_b [30, 50).
+XSPACE = """
+planes { id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(compute)"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 }
+    events { metadata_id: 2 offset_ps: 10000000 duration_ps: 5000000 }
+    events { metadata_id: 3 offset_ps: 40000000 duration_ps: 10000000 } }
+  lines { id: 2 name: "Stream #14(compute)"
+    events { metadata_id: 4 offset_ps: 1000000 duration_ps: 3000000 }
+    events { metadata_id: 5 offset_ps: 15000000 duration_ps: 5000000 } }
+  lines { id: 3 name: "XLA Modules"
+    events { metadata_id: 6 offset_ps: 0 duration_ps: 20000000 }
+    events { metadata_id: 7 offset_ps: 30000000 duration_ps: 20000000 } }
+  event_metadata { key: 1 value { id: 1 name: "k1" } }
+  event_metadata { key: 2 value { id: 2 name: "k2" } }
+  event_metadata { key: 3 value { id: 3 name: "void cub::SortKernel<int, float>(int*)" } }
+  event_metadata { key: 4 value { id: 4 name: "k4" } }
+  event_metadata { key: 5 value { id: 5 name: "k5" } }
+  event_metadata { key: 6 value { id: 6 name: "jit_prog_a(12)" } }
+  event_metadata { key: 7 value { id: 7 name: "jit_prog_b(13)" } }
+}
+"""
+
+
+@pytest.fixture
+def trace_dir(tmp_path):
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(XSPACE))
+  return str(tmp_path)
+
+
+def test_busy_idle_and_programs(trace_dir):
+  out = gpu_gaps.gpu_gaps(trace_dir, min_gap_us=5.0)
+  assert out["kernels"] == 5
+  assert out["span_ms"] == pytest.approx(0.050)
+  assert out["busy_ms"] == pytest.approx(0.024)
+  assert out["idle_ms"] == pytest.approx(0.026)
+  assert out["programs"] == {
+      "jit_prog_a": {"runs": 1, "wall_ms": 0.02, "busy_ms": 0.014, "idle_ms": 0.006},
+      "jit_prog_b": {"runs": 1, "wall_ms": 0.02, "busy_ms": 0.01, "idle_ms": 0.01}}
+  assert out["outside_programs_ms"] == pytest.approx(0.010)
+  assert out["largest_gaps"] == [["k5 -> void cub::SortKernel", 0.02, 1], ["k4 -> k2", 0.006, 1]]
+  assert out["gaps_over_5us_ms"] == pytest.approx(0.026)
+
+
+def test_min_gap_filters_short_gaps(trace_dir):
+  out = gpu_gaps.gpu_gaps(trace_dir, min_gap_us=10.0)
+  assert out["largest_gaps"] == [["k5 -> void cub::SortKernel", 0.02, 1]]
+  assert out["gaps_over_10us_ms"] == pytest.approx(0.020)
+
+
+def test_no_gpu_plane(tmp_path):
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  xspace = 'planes { id: 1 name: "/host:CPU" }'
+  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(xspace))
+  assert "note" in gpu_gaps.gpu_gaps(str(tmp_path))
