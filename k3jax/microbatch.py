@@ -21,7 +21,9 @@ Two ways to run them (StagesConfig.microbatch_loop):
           balance state, metrics; it donates the state). The decoder's `nn.scan` then sits at the
           top level of a program: inside the 'scan' loop body XLA copies the zero initialisations
           of its stacked saved activations and parameter gradients once per micro-batch (issue
-          17).
+          17). A step of one micro-batch runs as two programs, `train_step_grads` (the loss and
+          its gradients) and `train_step_update`, compiled at once: XLA's compile time grows
+          faster than a program's size, so the pair compiles faster than the one step (start-up).
 Both share the per-micro-batch arithmetic (`add_microbatch`, `finish`), so they agree up to the
 rounding of XLA's different fusions.
 """
@@ -195,11 +197,18 @@ def _run(prepare: Callable, microbatch: Callable, update: Callable, state, batch
   return update(state.replace(moe_state=None), state.moe_state, acc, moe_state)
 
 
+def _run_split(grads: Callable, update: Callable, state, batch: dict):
+  """A step of one micro-batch: the gradients' program, then the update's."""
+  out = grads(state.params, state.moe_state, batch)
+  # As in `_run`: the old balance state apart from the donated rest.
+  return update(state.replace(moe_state=None), state.moe_state, *out)
+
+
 class HostLoopStep:
   """The training step `(state, batch) -> (state, metrics)` with micro-batches run as a host loop
-  of jitted programs (module docstring); a batch of one micro-batch runs `whole_step`.
+  of jitted programs (module docstring); a batch of one micro-batch runs as two programs, the
+  loss's gradients and the update (`train_step_grads`, `train_step_update`).
 
-  whole_step: the single-program step (today's `train_step`), for batches of one micro-batch.
   loss_fn: (params, moe_state, micro-batch) -> (total, (ce, aux, mutated)).
   apply_update: `ApplyUpdate`.
   microbatch_rows: (seq_len, batch rows) -> rows per micro-batch (`StagesConfig.microbatch_rows`).
@@ -215,10 +224,9 @@ class HostLoopStep:
   each program's name to its `jax.stages.Compiled` (memory analysis per program).
   """
 
-  def __init__(self, whole_step: Callable, loss_fn: LossFn, apply_update: ApplyUpdate,
+  def __init__(self, loss_fn: LossFn, apply_update: ApplyUpdate,
                microbatch_rows: Callable[[int, int], int], *, state_shardings: Any,
                batch_shardings: Any, cache_dir: str, description: str, cast_once: bool = True):
-    self._whole_step = whole_step
     self._loss_fn = loss_fn
     self._apply_update = apply_update
     self._microbatch_rows = microbatch_rows
@@ -229,6 +237,7 @@ class HostLoopStep:
     self._description = description
     self._cast_once = cast_once
     self._programs: dict = {}
+    self._split_programs: Any = None
     self._microbatch_programs: dict = {}
     self._loss_info: dict = {}
     st = state_shardings
@@ -332,24 +341,62 @@ class HostLoopStep:
       self._programs[key] = (prepare, self._microbatch_for(dtypes), update)
     return self._programs[key]
 
+  def _split_for_one(self) -> tuple[Callable, Callable]:
+    """(gradients, update) for steps of one micro-batch (built once). The gradients' program
+    returns value_and_grad's results with the mutated collections taken apart (each with its
+    own sharding): (total, ce, aux, balance state, 'moe_stats', QK-Clip's max logits, grads)."""
+    if self._split_programs is None:
+      loss_fn, apply_update = self._loss_fn, self._apply_update
+
+      def train_step_grads(params, moe_state, batch):
+        (total, (ce, aux, mutated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, moe_state, batch)
+        return (total, ce, aux, mutated.get("moe_state", moe_state),
+                mutated.get("moe_stats", {}), mutated.get(QK_STATS_COLLECTION, {}), grads)
+
+      def train_step_update(state, old_moe_state, total, ce, aux, moe_state, stats, qk, grads):
+        mutated = {"moe_state": moe_state, "moe_stats": stats}
+        if qk:
+          mutated[QK_STATS_COLLECTION] = qk
+        return apply_update(state.replace(moe_state=old_moe_state), total, ce, aux, mutated,
+                            grads)
+
+      extra = " microbatch_loop='host' num_micro=1"
+      st, rep = self._state_sh, self._rep
+      grads = self._jit(
+          train_step_grads, donate=(), extra=extra,
+          in_sh=(self._params_sh, self._moe_sh, self._batch_sh),
+          out_sh=(rep, rep, rep, self._moe_sh, rep, rep, self._params_sh))
+      update = self._jit(
+          train_step_update, donate=(0,), extra=extra,
+          in_sh=(None if st is None else st.replace(moe_state=None), self._moe_sh, rep, rep, rep,
+                 self._moe_sh, rep, rep, self._params_sh),
+          out_sh=(st, None))
+      self._split_programs = (grads, update)
+    return self._split_programs
+
   def __call__(self, state, batch: dict):
     num_micro = self._num_micro(batch)
     if num_micro == 1:
-      return self._whole_step(state, batch)
+      return _run_split(*self._split_for_one(), state, batch)
     info = self._info(state.params, state.moe_state, batch, num_micro)
     return _run(*self._programs_for(num_micro, info), state, batch)
 
-  def lower(self, state, batch: dict):
-    """The programs lowered for these arguments (arrays or ShapeDtypeStructs): `whole_step`'s
-    Lowered for one micro-batch, else a `HostLoopLowered`."""
+  def lower(self, state, batch: dict) -> "HostLoopLowered":
+    """The programs lowered for these arguments (arrays or ShapeDtypeStructs)."""
     num_micro = self._num_micro(batch)
+    first = getattr(jax.tree.leaves(state)[0], "sharding", None)
+    device = first if isinstance(first, jax.sharding.SingleDeviceSharding) else None
     if num_micro == 1:
-      return self._whole_step.lower(state, batch)
+      grads, update = self._split_for_one()
+      grads_lowered = grads.lower(state.params, state.moe_state, batch)
+      outs = _abstract(grads_lowered.out_info, device)
+      update_lowered = update.lower(state.replace(moe_state=None), state.moe_state, *outs)
+      return HostLoopLowered({"train_step_grads": grads_lowered,
+                              "train_step_update": update_lowered})
     info = self._info(state.params, state.moe_state, batch, num_micro)
     prepare, microbatch, update = self._programs_for(num_micro, info)
     prepare_lowered = prepare.lower(state.params, state.moe_state, batch)
-    first = getattr(jax.tree.leaves(state)[0], "sharding", None)
-    device = first if isinstance(first, jax.sharding.SingleDeviceSharding) else None
     micro_batches, weights, acc, copies = _abstract(prepare_lowered.out_info, device)
     micro_lowered = microbatch.lower(state.params, copies, state.moe_state, micro_batches[0],
                                      weights[0], acc)
@@ -380,12 +427,15 @@ class HostLoopLowered:
 
 class HostLoopCompiled:
   """`(state, batch) -> (state, metrics)` through the compiled programs of a `HostLoopStep`.
-  programs: {'train_step_prepare' | 'train_step_microbatch' | 'train_step_update': Compiled}."""
+  programs: {'train_step_prepare' | 'train_step_microbatch' | 'train_step_update': Compiled},
+  or for a step of one micro-batch {'train_step_grads' | 'train_step_update': Compiled}."""
 
   def __init__(self, programs: dict):
     self.programs = programs
 
   def __call__(self, state, batch: dict):
     p = self.programs
+    if "train_step_grads" in p:
+      return _run_split(p["train_step_grads"], p["train_step_update"], state, batch)
     return _run(p["train_step_prepare"], p["train_step_microbatch"], p["train_step_update"],
                 state, batch)

@@ -82,7 +82,8 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   Micro-batches (StagesConfig.microbatch_tokens, `k3jax.microbatch`): with
   StagesConfig.microbatch_loop 'scan' they run in a lax.scan inside the one jitted step; with
   'host' a step of several micro-batches runs as a host loop of jitted programs
-  (`microbatch.HostLoopStep`, same contract and results), one of one micro-batch as the one step.
+  (`microbatch.HostLoopStep`, same contract and results), one of one micro-batch as two programs
+  (its gradients, then the update), which compile at once.
   """
   mcfg = cfg.model
   use_aux = mcfg.moe_balance == "aux_loss"
@@ -149,12 +150,11 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
     raise ValueError("make_train_step: lowered_cache_dir needs total_steps (the one given to "
                      "init_train_state)")
   description = f"make_train_step {cfg!r} {model!r} total_steps={total_steps}"
-  whole_step = lowered_cache.cached_jit(train_step, cache_dir=lowered_cache_dir,
-                                        donate_argnums=(0,), description=description, **jit_kwargs)
   if cfg.stages.microbatch_loop == "scan":
-    return whole_step
+    return lowered_cache.cached_jit(train_step, cache_dir=lowered_cache_dir, donate_argnums=(0,),
+                                    description=description, **jit_kwargs)
   return microbatch.HostLoopStep(
-      whole_step, loss_fn, apply_update, cfg.stages.microbatch_rows,
+      loss_fn, apply_update, cfg.stages.microbatch_rows,
       state_shardings=state_shardings, batch_shardings=batch_shardings,
       cache_dir=lowered_cache_dir, description=description)
 

@@ -87,12 +87,15 @@ def _assert_same_training(host, scan):
 
 
 @pytest.mark.parametrize("bindings", [
+    # One micro-batch: the gradients' program, then the update's (QK-Clip's max logits and the
+    # balance state pass between them).
+    ["OptimizerConfig.qk_clip_tau = 2.0"],
     # Quantile Balancing threads its biases through the 2 micro-batches (16 tokens a row, 4 rows).
     ["StagesConfig.microbatch_tokens = 32"],
     # 4 micro-batches of one row; aux losses and QK-Clip's max logits accumulate.
     ["StagesConfig.microbatch_tokens = 16", "ModelConfig.moe_balance = 'aux_loss'",
      "OptimizerConfig.qk_clip_tau = 2.0"],
-], ids=["2_micro_qb", "4_micro_aux_qkclip"])
+], ids=["1_micro_qkclip", "2_micro_qb", "4_micro_aux_qkclip"])
 def test_host_loop_equals_scan(bindings):
   """Two fp32 steps of tiny.gin's model: the host loop of programs gives the scan's losses, grad
   norms, MoE stats, parameters, optimizer and balance state (<= 1e-6 relative)."""
@@ -103,10 +106,14 @@ def test_host_loop_equals_scan(bindings):
     assert all(float(m["aux_loss"]) > 0 for m in host[1])
 
 
-def test_host_loop_lowered_and_compiled_equals_its_call():
-  """`lower(state, batch).compile()` (what train_bench times) runs the same three programs, named
-  for the 'train_step' dump filter, with the call's results."""
-  bindings = ["StagesConfig.microbatch_tokens = 32"]
+@pytest.mark.parametrize("bindings, programs", [
+    (["StagesConfig.microbatch_tokens = 32"],
+     ["train_step_microbatch", "train_step_prepare", "train_step_update"]),
+    ([], ["train_step_grads", "train_step_update"]),
+], ids=["2_micro", "1_micro"])
+def test_host_loop_lowered_and_compiled_equals_its_call(bindings, programs):
+  """`lower(state, batch).compile()` (what train_bench times) runs the same programs, named for
+  the 'train_step' dump filter, with the call's results."""
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
       "StagesConfig.microbatch_loop = 'host'"])
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
@@ -114,8 +121,7 @@ def test_host_loop_lowered_and_compiled_equals_its_call():
   assert isinstance(step, microbatch_lib.HostLoopStep)
   batch = jax.tree.map(jnp.asarray, _batches(cfg, 1)[0])
   compiled = step.lower(state, batch).compile()
-  assert sorted(compiled.programs) == ["train_step_microbatch", "train_step_prepare",
-                                       "train_step_update"]
+  assert sorted(compiled.programs) == programs
   assert all(c.memory_analysis() is not None for c in compiled.programs.values())
   _assert_same_training(_run("host", bindings, steps=1, compiled=True),
                         _run("host", bindings, steps=1))
@@ -156,15 +162,16 @@ def test_host_loop_casts_the_weights_once_with_the_same_training(compiled, layer
   _assert_close(once, every, "cast once against every micro-batch: ", rtol=0.0)
 
 
-def test_one_microbatch_runs_the_single_program():
-  """With 'host' and a batch of one micro-batch, the step lowers to the one `train_step` program
-  (a plain jax Lowered, not the host loop's)."""
+def test_one_microbatch_runs_as_gradients_then_update():
+  """With 'host' and a batch of one micro-batch, the step lowers to two programs, the gradients'
+  and the update's."""
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + ["StagesConfig.microbatch_loop = 'host'"])
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
   step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
   lowered = step.lower(state, jax.tree.map(jnp.asarray, _batches(cfg, 1)[0]))
-  assert isinstance(lowered, jax.stages.Lowered)
-  assert "train_step" in lowered.as_text()[:2000]
+  assert isinstance(lowered, microbatch_lib.HostLoopLowered)
+  assert list(lowered.programs) == ["train_step_grads", "train_step_update"]
+  assert "train_step_grads" in lowered.programs["train_step_grads"].as_text()[:2000]
 
 
 def test_host_loop_programs_compile_at_once_and_a_failure_is_raised():
