@@ -48,9 +48,7 @@ from pallas_kernels.grouped_matmul import grouped_weight_grad
 
 # A grouped matmul with `jax.lax.ragged_dot`'s signature. One that also takes a keyword
 # `zero_outside` (False: the rows past Σ group_sizes of its output and of its lhs gradient may be
-# left unwritten) says so with an attribute `takes_zero_outside = True` (`takes_zero_outside`);
-# one that takes `rhs_parts` (rhs is that many equal blocks of columns side by side, and its
-# gradient is computed block by block) with `takes_rhs_parts = True` (`takes_rhs_parts`).
+# left unwritten) says so with an attribute `takes_zero_outside = True` (`takes_zero_outside`).
 RaggedDotFn = Callable[..., jax.Array]
 
 
@@ -185,10 +183,10 @@ def _call_tokamax(fn, *args, implementation: str, kernel: str, **kwargs) -> jax.
         f"cannot run on {shapes} ({e}); choose 'tiled' or 'ragged_dot' for this model") from e
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5, 6))
-def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside, rhs_parts):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside):
   """tokamax.ragged_dot with rows past Σ group_sizes zeroed in the output and in dlhs where
-  zero_outside (else left as the kernels leave them); drhs block by block of rhs_parts."""
+  zero_outside (else left as the kernels leave them)."""
   out = _call_tokamax(_tokamax().ragged_dot, lhs, rhs, group_sizes, preferred_element_type=out_dtype,
                       implementation=implementation, kernel="fwd")
   if not zero_outside:
@@ -196,14 +194,12 @@ def _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outs
   return zero_rows(out, _rows_in_groups(lhs.shape[0], group_sizes))
 
 
-def _tokamax_grouped_fwd(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside,
-                         rhs_parts):
-  out = _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside,
-                         rhs_parts)
+def _tokamax_grouped_fwd(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside):
+  out = _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside)
   return out, (lhs, rhs, group_sizes)
 
 
-def _tokamax_grouped_bwd(out_dtype, implementation, zero_outside, rhs_parts, residuals, dout):
+def _tokamax_grouped_bwd(out_dtype, implementation, zero_outside, residuals, dout):
   lhs, rhs, group_sizes = residuals
   # Mosaic multiplies bf16 by bf16 (or f16 by f16) only: the fp32 cotangent of an fp32-accumulated
   # output is rounded to the input dtype, as a bf16 matmul's backward would read it anyway.
@@ -214,18 +210,7 @@ def _tokamax_grouped_bwd(out_dtype, implementation, zero_outside, rhs_parts, res
   if implementation == "mosaic":
     # Not tokamax's sm90 ragged-contracting kernel: it returned wrong, run-to-run different weight
     # gradients on an H200 (pallas_kernels/grouped_matmul says more).
-    if rhs_parts == 1:
-      drhs = grouped_weight_grad(lhs, dout, group_sizes, rhs.dtype)
-    else:
-      # One kernel per block of columns, concatenated: the caller's split of the gradient (the
-      # transpose of its concatenation of the blocks) then takes the kernels' outputs as they
-      # are (XLA folds a slice of a concatenate), where a slice of one [E, ℓ, 2f] output sat
-      # inside the accumulation's add fusion and halved its speed (medium.gin's gate and up
-      # weights: RESULTS.md run 29).
-      width = rhs.shape[-1] // rhs_parts
-      drhs = jnp.concatenate(
-          [grouped_weight_grad(lhs, dout, group_sizes, rhs.dtype, columns=(p * width, width))
-           for p in range(rhs_parts)], axis=-1)
+    drhs = grouped_weight_grad(lhs, dout, group_sizes, rhs.dtype)
   else:
     drhs = _call_tokamax(_tokamax().ragged_dot_general, lhs, dout, group_sizes, _DRHS_DIMS,
                          preferred_element_type=rhs.dtype, implementation=implementation,
@@ -246,7 +231,7 @@ def _rows_in_groups(num_rows: int, group_sizes: jax.Array) -> jax.Array:
 
 def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                        preferred_element_type=None, *, implementation: str,
-                       zero_outside: bool = True, rhs_parts: int = 1) -> jax.Array:
+                       zero_outside: bool = True) -> jax.Array:
   """`jax.lax.ragged_dot(lhs, rhs, group_sizes)` on tokamax's grouped matmul, forward and backward.
 
   lhs [M, ℓ] rows contiguous by group; rhs [E, ℓ, f] (cast to lhs.dtype: Mosaic multiplies equal
@@ -262,9 +247,6 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   grouped matmul against rhs transposed); drhs on tokamax's ragged-contracting op for 'xla' and on
   k3jax's Pallas kernel for 'mosaic' (`pallas_kernels.grouped_matmul`: tokamax 0.0.17's sm90
   kernel returned wrong sums, RESULTS.md run 18). The cotangent is rounded to lhs.dtype first.
-  rhs_parts: rhs is this many equal blocks of columns side by side (e.g. [W_gate | W_up]); on
-  the 'mosaic' path drhs is computed block by block (the same values), so that a caller that
-  concatenated the blocks gets their gradients without slicing them out of one array.
   A kernel that cannot take these dtypes or shapes raises ValueError naming
   ModelConfig.moe_grouped_matmul.
   """
@@ -272,28 +254,23 @@ def tokamax_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
     raise ValueError(f"tokamax_ragged_dot: implementation={implementation!r}: expected one of "
                      f"{TOKAMAX_IMPLEMENTATIONS}")
   M, L = lhs.shape
-  E, L2, F = rhs.shape
+  E, L2, _ = rhs.shape
   if L2 != L or group_sizes.shape != (E,):
     raise ValueError(f"tokamax_ragged_dot: lhs {lhs.shape}, rhs {rhs.shape} and group_sizes "
                      f"{group_sizes.shape} do not fit ([M, l], [E, l, f], [E])")
-  if not isinstance(rhs_parts, int) or rhs_parts < 1 or F % rhs_parts:
-    raise ValueError(f"tokamax_ragged_dot: rhs_parts={rhs_parts!r} must be a positive int "
-                     f"dividing rhs's {F} columns")
   out_dtype = jnp.dtype(lhs.dtype if preferred_element_type is None else preferred_element_type)
   lhs, rhs = _common_varying(lhs, rhs.astype(lhs.dtype))
   return _tokamax_grouped_shared(lhs, rhs, group_sizes.astype(jnp.int32), out_dtype,
-                                 implementation, bool(zero_outside), rhs_parts)
+                                 implementation, bool(zero_outside))
 
 
-@functools.partial(jax.jit, static_argnums=(3, 4, 5, 6))
-def _tokamax_grouped_shared(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside,
-                            rhs_parts):
+@functools.partial(jax.jit, static_argnums=(3, 4, 5))
+def _tokamax_grouped_shared(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside):
   """`_tokamax_grouped` as one jitted function: its call sites of equal shapes (the MoE layers of
   the scanned group and of the unrolled suffix) share one traced jaxpr, so JAX lowers each kernel
   (forward, dlhs, drhs) once per shape instead of once per layer. Lowering a Mosaic GPU kernel
   is Python work of about a second; XLA inlines the calls, the compiled step is the same."""
-  return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside,
-                          rhs_parts)
+  return _tokamax_grouped(lhs, rhs, group_sizes, out_dtype, implementation, zero_outside)
 
 
 def _gpu_compute_capability() -> float:
@@ -311,44 +288,29 @@ def _mosaic_gpu_available() -> bool:
 
 
 def _auto_gpu_ragged_dot(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
-                         preferred_element_type=None, *, zero_outside: bool = True,
-                         rhs_parts: int = 1) -> jax.Array:
+                         preferred_element_type=None, *, zero_outside: bool = True) -> jax.Array:
   """'auto' on a GPU: tokamax's Mosaic kernels where all three run (bf16/f16 activations on
   compute capability 9.x: tokamax 0.0.17's sm100 path has no ragged-contracting kernel for the
   weight gradient), `tiled_ragged_dot` otherwise (fp32 activations; other GPUs, where XLA's dense
-  ragged_dot lowering would cost E× the memory). zero_outside and rhs_parts as in
-  `tokamax_ragged_dot` (the tiled path's rows past the groups are zero either way, and its weight
-  gradient is one)."""
+  ragged_dot lowering would cost E× the memory). zero_outside as in `tokamax_ragged_dot` (the
+  tiled path's rows past the groups are zero either way)."""
   if jnp.dtype(lhs.dtype) in _MOSAIC_DTYPES and 9.0 <= _gpu_compute_capability() < 10.0:
     return tokamax_ragged_dot(lhs, rhs, group_sizes, preferred_element_type,
-                              implementation="mosaic", zero_outside=zero_outside,
-                              rhs_parts=rhs_parts)
+                              implementation="mosaic", zero_outside=zero_outside)
   return tiled_ragged_dot(lhs, rhs, group_sizes, preferred_element_type)
-
-
-def _declares(fn: RaggedDotFn, attribute: str) -> bool:
-  while isinstance(fn, functools.partial):
-    fn = fn.func
-  return getattr(fn, attribute, False) is True
 
 
 def takes_zero_outside(fn: RaggedDotFn) -> bool:
   """Whether the grouped matmul fn (a functools.partial of one included) declares that it takes
   `zero_outside` (`RaggedDotFn`): `tokamax_ragged_dot` and 'auto' on a GPU do; hooks with
   jax.lax.ragged_dot's signature alone do not."""
-  return _declares(fn, "takes_zero_outside")
+  while isinstance(fn, functools.partial):
+    fn = fn.func
+  return getattr(fn, "takes_zero_outside", False) is True
 
 
-def takes_rhs_parts(fn: RaggedDotFn) -> bool:
-  """Whether the grouped matmul fn declares that it takes `rhs_parts` (`RaggedDotFn`), as
-  `takes_zero_outside` for `zero_outside`."""
-  return _declares(fn, "takes_rhs_parts")
-
-
-for _fn in (tokamax_ragged_dot, _auto_gpu_ragged_dot):
-  _fn.takes_zero_outside = True
-  _fn.takes_rhs_parts = True
-del _fn
+tokamax_ragged_dot.takes_zero_outside = True
+_auto_gpu_ragged_dot.takes_zero_outside = True
 
 
 def default_ragged_dot(kind: str = "auto") -> RaggedDotFn:
@@ -511,10 +473,8 @@ def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: ja
   # through selects only (`gather_rows`); y's, zeroed below.
   skip_zeroing = activation == "pallas" and takes_zero_outside(ragged_dot_fn)
   unzeroed = {"zero_outside": False} if skip_zeroing else {}
-  # Two blocks of columns: their weight gradients come out as two arrays, not one to be split.
-  halves = {"rhs_parts": 2} if takes_rhs_parts(ragged_dot_fn) else {}
   gate_up = ragged_dot_fn(x, jnp.concatenate([w_gate, w_up], axis=-1), group_sizes,
-                          preferred_element_type=x.dtype, **unzeroed, **halves)
+                          preferred_element_type=x.dtype, **unzeroed)
   if activation == "pallas":
     interpret = jax.default_backend() == "cpu"
     if interpret and jax.typeof(gate_up).manual_axis_type.varying:

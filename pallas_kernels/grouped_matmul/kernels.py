@@ -80,16 +80,12 @@ def _kernel(start_ref, size_ref, lhs_ref, dout_ref, out_ref, *, block_rows: int,
 
 
 def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, out_dtype=None,
-                        config: GroupedGradConfig = GroupedGradConfig(),
-                        columns: tuple[int, int] | None = None) -> jax.Array:
+                        config: GroupedGradConfig = GroupedGradConfig()) -> jax.Array:
   """out[g] = lhs[rows of g]ᵀ · dout[rows of g]: [G, K, N] in out_dtype (default lhs.dtype).
 
   lhs [M, K] and dout [M, N] (rows sorted by group, equal float dtypes); group_sizes [G] int, with
   Σ group_sizes <= M (rows past the sum belong to no group). The products run in the operands'
   dtype (fp32 operands: fp32 products) and accumulate in fp32. A row tile may start mid-group.
-  columns: (start, width): the gradient of dout's columns [start, start + width) only, [G, K,
-  width], read in place (no copy of the column slice); start must be a multiple of the column
-  tile (block_n capped at the largest power of two dividing width).
   """
   if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
     raise ValueError(f"grouped_weight_grad: lhs must be [M, K] and dout [M, N], got {lhs.shape} "
@@ -100,18 +96,11 @@ def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
     raise ValueError(f"grouped_weight_grad: lhs and dout must share a dtype, got {lhs.dtype} "
                      f"and {dout.dtype}")
   m, k = lhs.shape
-  start, n = (0, dout.shape[1]) if columns is None else columns
-  if not 0 <= start < start + n <= dout.shape[1]:
-    raise ValueError(f"grouped_weight_grad: columns={columns} must lie inside dout's "
-                     f"{dout.shape[1]} columns")
+  n = dout.shape[1]
   g = group_sizes.shape[0]
   out_dtype = jnp.dtype(lhs.dtype if out_dtype is None else out_dtype)
   bk = min(config.block_k, k & -k)          # k & -k: the largest power of two dividing k
   bn = min(config.block_n, n & -n)
-  if start % bn:
-    raise ValueError(f"grouped_weight_grad: columns={columns}: the start must be a multiple of "
-                     f"the column tile {bn}")
-  first_block = start // bn
   br = min(config.block_rows, pl.next_power_of_2(m))
   if m < br:   # one row tile must fit in the array (the kernel clamps its start to M - br)
     lhs = jnp.pad(lhs, ((0, br - m), (0, 0)))
@@ -126,7 +115,7 @@ def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
       grid=(k // bk, n // bn, g),
       in_specs=[one, one,
                 pl.BlockSpec((lhs.shape[0], bk), lambda i, j, e: (0, i)),
-                pl.BlockSpec((dout.shape[0], bn), lambda i, j, e: (0, j + first_block))],
+                pl.BlockSpec((dout.shape[0], bn), lambda i, j, e: (0, j))],
       out_specs=pl.BlockSpec((None, bk, bn), lambda i, j, e: (e, i, j)),
       out_shape=result_like(lhs, (g, k, n), out_dtype),
       name="grouped_weight_grad",

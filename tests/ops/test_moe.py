@@ -508,18 +508,3 @@ def test_takes_zero_outside_reads_the_declaration():
   assert not moe.takes_zero_outside(hook)
   hook.takes_zero_outside = True
   assert moe.takes_zero_outside(functools.partial(functools.partial(hook), zero_outside=True))
-
-
-def test_takes_rhs_parts_reads_the_declaration_and_checks_the_parts():
-  """`grouped_situ_glu` passes rhs_parts=2 (gate | up) to the grouped matmuls that declare
-  `takes_rhs_parts`; tokamax_ragged_dot refuses parts that do not divide rhs's columns."""
-  assert moe.takes_rhs_parts(moe.default_ragged_dot("tokamax"))
-  assert not moe.takes_rhs_parts(moe.default_ragged_dot("tiled"))
-  assert not moe.takes_rhs_parts(jax.lax.ragged_dot)
-  lhs, rhs = jnp.ones((8, 4)), jnp.ones((2, 4, 6))
-  sizes = jnp.asarray([3, 5], jnp.int32)
-  with pytest.raises(ValueError, match="rhs_parts=4 must be a positive int dividing rhs's 6"):
-    moe.tokamax_ragged_dot(lhs, rhs, sizes, implementation="xla", rhs_parts=4)
-  np.testing.assert_array_equal(
-      moe.tokamax_ragged_dot(lhs, rhs, sizes, implementation="xla", rhs_parts=2),
-      jax.lax.ragged_dot(lhs, rhs, sizes))

@@ -57,22 +57,6 @@ def test_bf16_operands_accumulate_in_fp32():
   np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=2 ** -8, atol=1e-3)
 
 
-@pytest.mark.parametrize("columns", [(0, 16), (16, 16), (16, 32)])
-def test_columns_equal_the_slice_of_dout(columns):
-  """columns=(start, width): the gradient of dout's columns [start, start + width), read in place
-  (here with column tiles of 16, two of them in the wider slice)."""
-  rng = np.random.default_rng(7)
-  m, k, n, sizes = 45, 24, 48, np.asarray([7, 0, 20, 13], np.int32)
-  lhs = rng.standard_normal((m, k)).astype(np.float32)
-  dout = rng.standard_normal((m, n)).astype(np.float32)
-  start, width = columns
-  got = grouped_weight_grad(jnp.asarray(lhs), jnp.asarray(dout), jnp.asarray(sizes),
-                            config=SMALL_TILES, columns=columns)
-  assert got.shape == (len(sizes), k, width)
-  np.testing.assert_allclose(got, per_group(lhs, dout[:, start:start + width], sizes),
-                             rtol=1e-5, atol=1e-5)
-
-
 def test_bad_inputs_name_the_argument():
   x = jnp.zeros((8, 4))
   with pytest.raises(ValueError, match="lhs must be .M, K. and dout .M, N."):
@@ -81,11 +65,6 @@ def test_bad_inputs_name_the_argument():
     grouped_weight_grad(x, x.astype(jnp.bfloat16), jnp.ones((2,), jnp.int32), config=SMALL_TILES)
   with pytest.raises(ValueError, match="block_rows must be a power of two"):
     GroupedGradConfig(block_rows=48)
-  with pytest.raises(ValueError, match="must lie inside dout's 4 columns"):
-    grouped_weight_grad(x, x, jnp.ones((2,), jnp.int32), config=SMALL_TILES, columns=(2, 4))
-  with pytest.raises(ValueError, match="multiple of the column tile 16"):
-    grouped_weight_grad(jnp.zeros((8, 4)), jnp.zeros((8, 48)), jnp.ones((2,), jnp.int32),
-                        config=SMALL_TILES, columns=(8, 16))
 
 
 def test_mosaic_path_takes_its_weight_gradient_from_the_kernel(monkeypatch):
@@ -94,9 +73,9 @@ def test_mosaic_path_takes_its_weight_gradient_from_the_kernel(monkeypatch):
   jax.lax.ragged_dot's."""
   calls = []
 
-  def kernel(lhs, dout, group_sizes, out_dtype, columns=None):
-    calls.append((lhs.shape, columns))
-    return grouped_weight_grad(lhs, dout, group_sizes, out_dtype, SMALL_TILES, columns)
+  def kernel(lhs, dout, group_sizes, out_dtype):
+    calls.append(lhs.shape)
+    return grouped_weight_grad(lhs, dout, group_sizes, out_dtype, SMALL_TILES)
 
   monkeypatch.setattr(moe, "_mosaic_implementation", lambda kernel: "xla")
   monkeypatch.setattr(moe, "grouped_weight_grad", kernel)
@@ -109,13 +88,10 @@ def test_mosaic_path_takes_its_weight_gradient_from_the_kernel(monkeypatch):
   def loss(fn, a, b):
     return jnp.sum(fn(a, b, sizes, preferred_element_type=jnp.float32) * cot)
 
+  mosaic = functools.partial(moe._tokamax_grouped, out_dtype=jnp.dtype(jnp.float32),
+                             implementation="mosaic", zero_outside=True)
+  got = jax.grad(lambda a, b: jnp.sum(mosaic(a, b, sizes) * cot), (0, 1))(lhs, rhs)
   want = jax.grad(lambda a, b: loss(jax.lax.ragged_dot, a, b), (0, 1))(lhs, rhs)
-  # rhs_parts=2: one kernel per half of rhs's 16 columns, the same gradients.
-  for parts, kernel_calls in ((1, [((30, 8), None)]), (2, [((30, 8), (0, 8)), ((30, 8), (8, 8))])):
-    calls.clear()
-    mosaic = functools.partial(moe._tokamax_grouped, out_dtype=jnp.dtype(jnp.float32),
-                               implementation="mosaic", zero_outside=True, rhs_parts=parts)
-    got = jax.grad(lambda a, b: jnp.sum(mosaic(a, b, sizes) * cot), (0, 1))(lhs, rhs)
-    assert calls == kernel_calls
-    for g, w in zip(got, want):
-      np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+  assert calls == [(30, 8)]
+  for g, w in zip(got, want):
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
