@@ -199,6 +199,35 @@ def test_host_loop_programs_compile_at_once_and_a_failure_is_raised():
     microbatch_lib.HostLoopLowered({n: Program(fail=n == names[2]) for n in names}).compile()
 
 
+def test_deferred_program_lowers_while_the_others_compile():
+  """`HostLoopLowered.compile` starts the lowered programs' compiles before it lowers a deferred
+  program (the update's tracing then overlaps the gradients' compile); `programs` lowers it too,
+  once."""
+  compiling, lowered_b = threading.Event(), threading.Event()
+  lowerings = []
+
+  class Program:
+    def __init__(self, name):
+      self.name = name
+
+    def compile(self):
+      if self.name == "a":
+        compiling.set()
+        assert lowered_b.wait(30), "b was not lowered while a compiled"
+      return self.name
+
+  def lower_b():
+    assert compiling.wait(30), "b was lowered before a's compile started"
+    lowerings.append("b")
+    lowered_b.set()
+    return Program("b")
+
+  compiled = microbatch_lib.HostLoopLowered({"a": Program("a")}, {"b": lower_b}).compile()
+  assert compiled.programs == {"a": "a", "b": "b"} and lowerings == ["b"]
+  lowered = microbatch_lib.HostLoopLowered({"a": Program("a")}, {"b": lambda: Program("b")})
+  assert list(lowered.programs) == ["a", "b"] and lowered.programs["b"].name == "b"
+
+
 @pytest.mark.slow
 def test_host_loop_equals_scan_on_the_expert_mesh():
   """On a data:2 x expert:4 mesh of 8 CPU devices (16 rows, 2 micro-batches of 8): the same
