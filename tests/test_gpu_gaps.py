@@ -69,3 +69,20 @@ def test_no_gpu_plane(tmp_path):
   xspace = 'planes { id: 1 name: "/host:CPU" }'
   (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(xspace))
   assert "note" in gpu_gaps.gpu_gaps(str(tmp_path))
+
+
+def test_a_trace_without_program_spans_names_its_other_lines(tmp_path):
+  run = tmp_path / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  xspace = """
+  planes { id: 1 name: "/device:GPU:0"
+    lines { id: 1 name: "Stream #13(compute)"
+      events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 } }
+    lines { id: 2 name: "XLA Ops"
+      events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 } }
+    event_metadata { key: 1 value { id: 1 name: "k1" } }
+  }"""
+  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(xspace))
+  out = gpu_gaps.gpu_gaps(str(tmp_path))
+  assert out["programs"] == {} and out["other_lines"] == ["XLA Ops"]
+  assert out["busy_ms"] == pytest.approx(0.002) and out["idle_ms"] == 0

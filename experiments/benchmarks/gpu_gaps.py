@@ -28,13 +28,16 @@ import trace_times  # noqa: E402  (experiments/benchmarks is not a package)
 
 
 def _kernels_and_modules(logdir: str, device_index: int = 0):
-  """([(start_ns, end_ns, kernel name)] sorted, [(start_ns, end_ns, program name)] sorted) of the
-  device plane '/device:GPU:<device_index>' in the newest trace under `logdir`."""
-  kernels, modules = [], []
+  """([(start_ns, end_ns, kernel name)] sorted, [(start_ns, end_ns, program name)] sorted, the
+  plane's other line names) of the device plane '/device:GPU:<device_index>' in the newest trace
+  under `logdir`."""
+  kernels, modules, others = [], [], set()
   for plane in trace_times._newest_planes(logdir):  # pylint: disable=protected-access
     if plane.name != f"/device:GPU:{device_index}":
       continue
     for line in plane.lines:
+      if not line.name.startswith("Stream") and line.name != "XLA Modules":
+        others.add(line.name)
       if line.name.startswith("Stream"):
         for e in line.events:
           kernels.append((e.start_ns, e.start_ns + e.duration_ns, e.name))
@@ -44,7 +47,7 @@ def _kernels_and_modules(logdir: str, device_index: int = 0):
           modules.append((e.start_ns, e.start_ns + e.duration_ns, re.sub(r"\(\d+\)$", "", e.name)))
   kernels.sort()
   modules.sort()
-  return kernels, modules
+  return kernels, modules, sorted(others)
 
 
 def _short(name: str) -> str:
@@ -54,7 +57,7 @@ def _short(name: str) -> str:
 
 def gpu_gaps(logdir: str, min_gap_us: float = 5.0, top: int = 25, device_index: int = 0) -> dict:
   """The summary described in the module docstring; times in ms (over the whole trace)."""
-  kernels, modules = _kernels_and_modules(logdir, device_index)
+  kernels, modules, other_lines = _kernels_and_modules(logdir, device_index)
   if not kernels:
     return {"note": f"no kernels on /device:GPU:{device_index}"}
   # Busy intervals: the union of the kernels' [start, end).
@@ -94,7 +97,7 @@ def gpu_gaps(logdir: str, min_gap_us: float = 5.0, top: int = 25, device_index: 
   busy_ns = sum(end - start for start, end, _, _ in busy)
   inside = sum(w for _, w, _ in per_module.values())
   ms = lambda ns: round(ns / 1e6, 3)
-  return {
+  out = {
       "span_ms": ms(span), "busy_ms": ms(busy_ns), "idle_ms": ms(span - busy_ns),
       "kernels": len(kernels),
       "programs": {name: {"runs": runs, "wall_ms": ms(wall), "busy_ms": ms(b),
@@ -105,6 +108,11 @@ def gpu_gaps(logdir: str, min_gap_us: float = 5.0, top: int = 25, device_index: 
       f"gaps_over_{min_gap_us:g}us_ms": ms(sum(by_pair.values())),
       "largest_gaps": [[k, ms(ns), count[k]] for k, ns in by_pair.most_common(top)],
   }
+  if not modules:
+    # No 'XLA Modules' line (run 29's H200 traces had none): the names there are, to look for the
+    # programs' spans under another.
+    out["other_lines"] = other_lines
+  return out
 
 
 def main(argv=None) -> int:
