@@ -311,7 +311,9 @@ class StagesConfig:
   # decoder scans sit at the top level of a program, where XLA turns the zero initialisations of
   # their stacked buffers into fills instead of per-micro-batch copies (issue 17). On the H200,
   # medium.gin's step with 'host' took 616.7 ms against 638.1 (RESULTS.md, run 12): medium.gin
-  # sets it; 'scan' (one program) stays the default where a step is one micro-batch or few.
+  # sets it; 'scan' (one program) stays the default where a step is one micro-batch or few. With
+  # 'host', a step of one micro-batch runs as two programs (gradients, update) compiled at once,
+  # which start faster than one (small.gin on an H200, RESULTS.md run 29).
   microbatch_loop: str = "scan"
   # ModelConfig.remat per stage, one entry per stage (e.g. ('none', 'full', 'full', 'full'): long
   # rows keep only each layer's inputs for the backward pass); empty: ModelConfig.remat throughout.

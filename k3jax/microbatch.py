@@ -400,8 +400,8 @@ class HostLoopStep:
 
   def lower(self, state, batch: dict) -> "HostLoopLowered":
     """The programs lowered for these arguments (arrays or ShapeDtypeStructs). The update's is
-    lowered later, by `HostLoopLowered.compile` while the others compile (or when `programs` is
-    read first), so compile `state`'s step before donating it."""
+    lowered later, by `HostLoopLowered.compile` while the others compile (or at the first read
+    of `programs`): compile before `state` is donated."""
     num_micro = self._num_micro(batch)
     first = getattr(jax.tree.leaves(state)[0], "sharding", None)
     device = first if isinstance(first, jax.sharding.SingleDeviceSharding) else None
@@ -431,9 +431,9 @@ class HostLoopLowered:
   `HostLoopCompiled`.
 
   lowered: {program name: jax.stages.Lowered}; deferred: {program name: () -> Lowered}, programs
-  whose tracing and lowering waits for `compile` (the optimizer update's: small.gin's took
-  4.3 s on a CPU host, which now passes while the gradients' program compiles) or for the first
-  read of `programs`, {name: Lowered} of them all (the lowered first, in order).
+  whose tracing and lowering waits for `compile` (the optimizer update's: small.gin's took 4.3 s
+  on a CPU host, time that now passes while the gradients' program compiles).
+  programs: {program name: Lowered} of all of them; its first read lowers the deferred ones.
   """
 
   def __init__(self, lowered: dict, deferred: dict | None = None):
