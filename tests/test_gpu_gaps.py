@@ -3,9 +3,8 @@ would): busy time as the union of overlapping streams, idle time per program and
 sources."""
 
 import pytest
-from jax.profiler import ProfileData
 
-from testlib import load_benchmark
+from testlib import load_benchmark, write_xspace
 
 gpu_gaps = load_benchmark("gpu_gaps")
 
@@ -37,10 +36,7 @@ planes { id: 1 name: "/device:GPU:0"
 
 @pytest.fixture
 def trace_dir(tmp_path):
-  run = tmp_path / "plugins" / "profile" / "run1"
-  run.mkdir(parents=True)
-  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(XSPACE))
-  return str(tmp_path)
+  return write_xspace(tmp_path, XSPACE)
 
 
 def test_busy_idle_and_programs(trace_dir):
@@ -64,25 +60,19 @@ def test_min_gap_filters_short_gaps(trace_dir):
 
 
 def test_no_gpu_plane(tmp_path):
-  run = tmp_path / "plugins" / "profile" / "run1"
-  run.mkdir(parents=True)
-  xspace = 'planes { id: 1 name: "/host:CPU" }'
-  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(xspace))
-  assert "note" in gpu_gaps.gpu_gaps(str(tmp_path))
+  trace = write_xspace(tmp_path, 'planes { id: 1 name: "/host:CPU" }')
+  assert "note" in gpu_gaps.gpu_gaps(trace)
 
 
 def test_a_trace_without_program_spans_names_its_other_lines(tmp_path):
-  run = tmp_path / "plugins" / "profile" / "run1"
-  run.mkdir(parents=True)
-  xspace = """
+  trace = write_xspace(tmp_path, """
   planes { id: 1 name: "/device:GPU:0"
     lines { id: 1 name: "Stream #13(compute)"
       events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 } }
     lines { id: 2 name: "XLA Ops"
       events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 } }
     event_metadata { key: 1 value { id: 1 name: "k1" } }
-  }"""
-  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(xspace))
-  out = gpu_gaps.gpu_gaps(str(tmp_path))
+  }""")
+  out = gpu_gaps.gpu_gaps(trace)
   assert out["programs"] == {} and out["other_lines"] == ["XLA Ops"]
   assert out["busy_ms"] == pytest.approx(0.002) and out["idle_ms"] == 0

@@ -2,9 +2,8 @@
 would), and ep_bench's collective classification on top of it."""
 
 import pytest
-from jax.profiler import ProfileData
 
-from testlib import load_benchmark
+from testlib import load_benchmark, write_xspace
 
 trace_times = load_benchmark("trace_times")
 ep = load_benchmark("ep_bench")
@@ -37,10 +36,7 @@ planes { id: 2 name: "/device:GPU:1"
 
 @pytest.fixture
 def trace_dir(tmp_path):
-  run = tmp_path / "plugins" / "profile" / "run1"
-  run.mkdir(parents=True)
-  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(XSPACE))
-  return str(tmp_path)
+  return write_xspace(tmp_path, XSPACE)
 
 
 def test_device_line_times_sums_per_line_and_name(trace_dir):
@@ -89,9 +85,6 @@ planes { id: 1 name: "/device:GPU:0"
 
 
 def test_stream_hlo_op_times_keys_command_buffer_kernels_by_name(tmp_path):
-  run = tmp_path / "plugins" / "profile" / "run1"
-  run.mkdir(parents=True)
-  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(XSPACE_HLO_OPS))
-  assert dict(trace_times.stream_hlo_op_times(str(tmp_path))) == {
+  assert dict(trace_times.stream_hlo_op_times(write_xspace(tmp_path, XSPACE_HLO_OPS))) == {
       "fusion.7": 2000.0, "loop_add_fusion_3": 1000.0, "nvjet_sm90_tst": 4000.0,
       "memcpy128": 500.0}

@@ -53,3 +53,13 @@ def load_benchmark(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def write_xspace(folder, text_proto: str) -> str:
+  """A profiler trace folder under `folder` (a pathlib.Path) holding the XSpace `text_proto`, laid
+  out as jax.profiler writes it (plugins/profile/<run>/<host>.xplane.pb); returns the folder."""
+  from jax.profiler import ProfileData
+  run = folder / "plugins" / "profile" / "run1"
+  run.mkdir(parents=True)
+  (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(text_proto))
+  return str(folder)
