@@ -82,3 +82,9 @@ def test_compile_only_state_shapes_key_the_program_that_a_run_reads(tmp_path):
                                     lowered_cache_dir=str(tmp_path), total_steps=10)
   again(state, batch)
   assert (again.hits, again.misses) == (1, 0)
+
+
+def test_gaps_without_a_profile_is_refused(capsys):
+  with pytest.raises(SystemExit):
+    tb.main(["--gaps"])
+  assert "--gaps reads the profile: give --profile=FOLDER too" in capsys.readouterr().err

@@ -546,6 +546,8 @@ def main(argv=None) -> int:
   p.add_argument("--run", type=int, default=1, help=argparse.SUPPRESS)
   p.add_argument("--spawn_time", type=float, default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
+  if args.gaps and not args.profile:
+    p.error("--gaps reads the profile: give --profile=FOLDER too")
   if args.smoke:
     args.doc_len = min(args.doc_len, 48)  # several documents in a 128-token row
     # Two micro-batches of one row (StagesConfig.microbatch_loop has a loop to run); a later
