@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from k3jax import lowered_cache
 from k3jax import param_casts
+from k3jax import sharding as sharding_lib
 from k3jax.layers import moe as moe_layers
 
 PyTree = Any
@@ -180,14 +181,13 @@ def _abstract(out_info: PyTree, device=None) -> PyTree:
 
 
 def _later_in_this_context(lower: Callable[[], Any]) -> Callable[[], Any]:
-  """`lower` to be called later, from any thread, inside the mesh (`jax.set_mesh`) and flax's
-  logical axis rules in force here and now: both are per thread, and a program traced without
-  them is another program (on a mesh, compiled again where the loop calls it)."""
+  """`lower` to be called later, from any thread, inside the mesh and logical axis rules in force
+  here and now (`sharding.with_mesh`'s): both are per thread, and a program traced without them
+  is another program (on a mesh, compiled again where the loop calls it)."""
   mesh, rules = jax.sharding.get_mesh(), nn.get_logical_axis_rules()
 
   def call():
-    with (contextlib.nullcontext() if mesh.empty else jax.set_mesh(mesh)), \
-        nn.logical_axis_rules(rules):
+    with contextlib.nullcontext() if mesh.empty else sharding_lib.with_mesh(mesh, rules):
       return lower()
 
   return call
@@ -215,9 +215,9 @@ def _run(prepare: Callable, microbatch: Callable, update: Callable, state, batch
 
 def _run_split(grads: Callable, update: Callable, state, batch: dict):
   """A step of one micro-batch: the gradients' program, then the update's."""
-  out = grads(state.params, state.moe_state, batch)
+  acc, moe_state = grads(state.params, state.moe_state, batch)
   # As in `_run`: the old balance state apart from the donated rest.
-  return update(state.replace(moe_state=None), state.moe_state, *out)
+  return update(state.replace(moe_state=None), state.moe_state, acc, moe_state)
 
 
 class HostLoopStep:
@@ -253,7 +253,8 @@ class HostLoopStep:
     self._description = description
     self._cast_once = cast_once
     self._programs: dict = {}
-    self._split_programs: Any = None
+    self._grads_program: Any = None
+    self._update_programs: dict = {}
     self._microbatch_programs: dict = {}
     self._loss_info: dict = {}
     st = state_shardings
@@ -327,7 +328,7 @@ class HostLoopStep:
     dtypes, mutated_shape = info
     key = (num_micro, dtypes)
     if key not in self._programs:
-      loss_fn, apply_update = self._loss_fn, self._apply_update
+      loss_fn = self._loss_fn
 
       def train_step_prepare(params, moe_state, batch):
         micro = split(batch, num_micro)
@@ -337,59 +338,55 @@ class HostLoopStep:
         return (micro_batches, tuple(weights[i] for i in range(num_micro)), acc,
                 param_casts.narrow_copies(params, list(dtypes)))
 
-      def train_step_update(state, old_moe_state, acc, moe_state):
-        (total, (ce, aux, mutated)), grads = finish(acc, moe_state, num_micro)
-        return apply_update(state.replace(moe_state=old_moe_state), total, ce, aux, mutated,
-                            grads)
-
       extra = f" microbatch_loop='host' num_micro={num_micro}"
-      st = self._state_sh
       prepare = self._jit(
           train_step_prepare, donate=(), extra=extra,
           in_sh=(self._params_sh, self._moe_sh, self._batch_sh),
           out_sh=((self._batch_sh,) * num_micro, (self._rep,) * num_micro, self._acc_sh,
                   self._copies_sh(dtypes)))
-      update = self._jit(
-          train_step_update, donate=(0,), extra=extra,
+      self._programs[key] = (prepare, self._microbatch_for(dtypes), self._update_for(num_micro))
+    return self._programs[key]
+
+  def _update_for(self, num_micro: int) -> Callable:
+    """The update program for steps of `num_micro` micro-batches: `finish`, then `apply_update`
+    (built once per count)."""
+    if num_micro not in self._update_programs:
+      apply_update = self._apply_update
+
+      def train_step_update(state, old_moe_state, acc, moe_state):
+        (total, (ce, aux, mutated)), grads = finish(acc, moe_state, num_micro)
+        return apply_update(state.replace(moe_state=old_moe_state), total, ce, aux, mutated,
+                            grads)
+
+      st = self._state_sh
+      self._update_programs[num_micro] = self._jit(
+          train_step_update, donate=(0,), extra=f" microbatch_loop='host' num_micro={num_micro}",
           in_sh=(None if st is None else st.replace(moe_state=None), self._moe_sh, self._acc_sh,
                  self._moe_sh),
           out_sh=(st, None))
-      self._programs[key] = (prepare, self._microbatch_for(dtypes), update)
-    return self._programs[key]
+    return self._update_programs[num_micro]
 
   def _split_for_one(self) -> tuple[Callable, Callable]:
-    """(gradients, update) for steps of one micro-batch (built once). The gradients' program
-    returns value_and_grad's results with the mutated collections taken apart (each with its
-    own sharding): (total, ce, aux, balance state, 'moe_stats', QK-Clip's max logits, grads)."""
-    if self._split_programs is None:
-      loss_fn, apply_update = self._loss_fn, self._apply_update
+    """(gradients, update) for steps of one micro-batch (built once): the gradients' program
+    returns, as the micro-batch program does, the accumulators (`zero_accumulators`' layout,
+    here the one micro-batch's own values: no zeros to add to) and the balance state; the update
+    is the host loop's for one micro-batch."""
+    if self._grads_program is None:
+      loss_fn = self._loss_fn
 
       def train_step_grads(params, moe_state, batch):
         (total, (ce, aux, mutated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
             params, moe_state, batch)
-        return (total, ce, aux, mutated.get("moe_state", moe_state),
-                mutated.get("moe_stats", {}), mutated.get(QK_STATS_COLLECTION, {}), grads)
+        acc = {"grads": grads, "total": total, "ce": ce, "aux": aux,
+               "stats": mutated.get("moe_stats", {}),
+               "qk": mutated.get(QK_STATS_COLLECTION, {})}
+        return acc, mutated.get("moe_state", moe_state)
 
-      def train_step_update(state, old_moe_state, total, ce, aux, moe_state, stats, qk, grads):
-        mutated = {"moe_state": moe_state, "moe_stats": stats}
-        if qk:
-          mutated[QK_STATS_COLLECTION] = qk
-        return apply_update(state.replace(moe_state=old_moe_state), total, ce, aux, mutated,
-                            grads)
-
-      extra = " microbatch_loop='host' num_micro=1"
-      st, rep = self._state_sh, self._rep
-      grads = self._jit(
-          train_step_grads, donate=(), extra=extra,
+      self._grads_program = self._jit(
+          train_step_grads, donate=(), extra=" microbatch_loop='host' num_micro=1",
           in_sh=(self._params_sh, self._moe_sh, self._batch_sh),
-          out_sh=(rep, rep, rep, self._moe_sh, rep, rep, self._params_sh))
-      update = self._jit(
-          train_step_update, donate=(0,), extra=extra,
-          in_sh=(None if st is None else st.replace(moe_state=None), self._moe_sh, rep, rep, rep,
-                 self._moe_sh, rep, rep, self._params_sh),
-          out_sh=(st, None))
-      self._split_programs = (grads, update)
-    return self._split_programs
+          out_sh=(self._acc_sh, self._moe_sh))
+    return self._grads_program, self._update_for(1)
 
   def __call__(self, state, batch: dict):
     num_micro = self._num_micro(batch)
@@ -408,11 +405,11 @@ class HostLoopStep:
     if num_micro == 1:
       grads, update = self._split_for_one()
       grads_lowered = grads.lower(state.params, state.moe_state, batch)
-      outs = _abstract(grads_lowered.out_info, device)
+      acc, moe_state = _abstract(grads_lowered.out_info, device)
       return HostLoopLowered(
           {"train_step_grads": grads_lowered},
           {"train_step_update": _later_in_this_context(lambda: update.lower(
-              state.replace(moe_state=None), state.moe_state, *outs))})
+              state.replace(moe_state=None), state.moe_state, acc, moe_state))})
     info = self._info(state.params, state.moe_state, batch, num_micro)
     prepare, microbatch, update = self._programs_for(num_micro, info)
     prepare_lowered = prepare.lower(state.params, state.moe_state, batch)
