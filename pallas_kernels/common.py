@@ -1,6 +1,8 @@
 """Helpers shared by the Pallas kernel folders."""
 from __future__ import annotations
 
+import functools
+
 import jax
 
 
@@ -9,6 +11,13 @@ def result_like(x: jax.Array, shape, dtype) -> jax.ShapeDtypeStruct:
   (as the expert-parallel MoE calls the kernels) pallas_call must be told, and a custom VJP's
   cotangent must vary as its input does."""
   return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(x).manual_axis_type)
+
+
+def kernel_entry_point(*static_argnames: str):
+  """Decorator for a kernel's entry point: `jax.jit` with these static arguments, so that JAX
+  traces the kernel and lowers it once per shape and setting, not at every call site (a step
+  calls it once per layer; XLA inlines the call)."""
+  return functools.partial(jax.jit, static_argnames=static_argnames)
 
 
 def column_chunk(width: int, cap: int) -> int:

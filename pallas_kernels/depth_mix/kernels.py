@@ -47,7 +47,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import check_powers_of_two, column_chunk, result_like
+from pallas_kernels.common import (check_powers_of_two, column_chunk, kernel_entry_point,
+                                   result_like)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,9 +210,7 @@ def _rows(x: jax.Array, n_pad: int) -> jax.Array:
   return x if x.shape[0] == n_pad else jnp.pad(x, ((0, n_pad - x.shape[0]), (0, 0)))
 
 
-# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
-# call site (a step calls it once per layer; XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("eps", "config"))
+@kernel_entry_point("eps", "config")
 def _forward(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps: float,
              config: DepthMixConfig) -> tuple[jax.Array, tuple, tuple]:
   """(h [..., d], alpha and r: S arrays [N_pad] fp32 each)."""
@@ -243,9 +242,7 @@ def _forward(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps: 
   return h[:n].reshape(shape), tuple(stats[:num_sources]), tuple(stats[num_sources:])
 
 
-# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
-# call site (a step calls it once per layer; XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("config",))
+@kernel_entry_point("config")
 def _backward(sources: tuple, query: jax.Array, alpha: tuple, r: tuple, dh: jax.Array,
               config: DepthMixConfig) -> tuple[tuple, jax.Array]:
   """(d_sources in the sources' dtype, d_query in the query's dtype)."""

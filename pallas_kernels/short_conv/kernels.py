@@ -45,7 +45,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import check_powers_of_two, result_like
+from pallas_kernels.common import check_powers_of_two, kernel_entry_point, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -273,9 +273,7 @@ def _check(name, x, kernel, segment_ids, dout=None):
   return segment_ids.astype(jnp.int32)
 
 
-# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
-# call site (a step calls it once per layer; XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("out_dtype", "config"))
+@kernel_entry_point("out_dtype", "config")
 def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
                   config: ConvConfig = ConvConfig()) -> jax.Array:
   """silu(causal depthwise conv(x, kernel)) (module docstring) in `out_dtype`, the math in fp32.
@@ -300,9 +298,7 @@ def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
   return out[:, :t, :c]
 
 
-# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
-# call site (a step calls it once per layer; XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("config",))
+@kernel_entry_point("config")
 def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
                   config: ConvConfig = ConvConfig()) -> tuple[jax.Array, jax.Array]:
   """(dx, dkernel) of out = silu(causal depthwise conv(x, kernel)) (module docstring).

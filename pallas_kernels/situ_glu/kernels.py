@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pl_triton
 
-from pallas_kernels.common import check_powers_of_two, result_like
+from pallas_kernels.common import check_powers_of_two, kernel_entry_point, result_like
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +111,7 @@ def _split(gate_up: jax.Array, mp: int) -> jax.Array:
 _ONE = pl.BlockSpec((1,), lambda i, j: (0,))
 
 
-# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
-# call site (a step calls it once per layer; XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("beta1", "beta2", "out_dtype", "config"))
+@kernel_entry_point("beta1", "beta2", "out_dtype", "config")
 def situ_glu_fwd_kernel(gate_up: jax.Array, num_rows: jax.Array, beta1: float, beta2: float,
                         out_dtype, config: SituGluConfig) -> jax.Array:
   """h [M, f] in out_dtype from gate_up [M, 2f] (gate columns first); num_rows [1] int32: rows
@@ -133,9 +131,7 @@ def situ_glu_fwd_kernel(gate_up: jax.Array, num_rows: jax.Array, beta1: float, b
   return h[:m]
 
 
-# jitted so that JAX traces the kernel and lowers it once per shape and setting, not at every
-# call site (a step calls it once per layer; XLA inlines the call).
-@functools.partial(jax.jit, static_argnames=("beta1", "beta2", "config"))
+@kernel_entry_point("beta1", "beta2", "config")
 def situ_glu_bwd_kernel(gate_up: jax.Array, num_rows: jax.Array, dh: jax.Array, beta1: float,
                         beta2: float, config: SituGluConfig) -> jax.Array:
   """d gate_up [M, 2f] in gate_up.dtype from gate_up [M, 2f] and dh [M, f]; num_rows [1] int32:
