@@ -43,11 +43,6 @@ class FlashConfig:
     block_q / block_k: forward and dq kernel tiles (queries per program, keys per step).
     block_q_dkv / block_k_dkv: dk/dv kernel tiles (keys per program, queries per step).
     fwd_launch / dq_launch / dkv_launch: (num_warps, num_stages) of each kernel.
-    dq_in_dkv: the dk/dv kernel also computes dq, adding each step's dS·K into an fp32 dq with
-      atomic adds, and no dq kernel runs: the backward's matmuls per tile pair go from seven (the
-      dq kernel recomputes S and dP) to five. The atomics' order varies from run to run, so dq
-      is not bitwise reproducible on a GPU (fp32 sums in a different order); block_q and
-      block_k then only tile the forward.
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_q: int = 64
@@ -57,7 +52,6 @@ class FlashConfig:
   fwd_launch: tuple = (4, 2)
   dq_launch: tuple = (4, 2)
   dkv_launch: tuple = (4, 2)
-  dq_in_dkv: bool = False
   interpret: bool = False
 
   def __post_init__(self):
@@ -176,12 +170,7 @@ def _dq_kernel(scale, bk, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_re
 
 
 def _dkv_kernel(scale, bq, groups, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                klo_ref, khi_ref, qlo_ref, qhi_ref, *rest):
-  """rest: dk_ref, dv_ref; or with FlashConfig.dq_in_dkv dq_in_ref (the zeros that dq_ref
-  aliases), dk_ref, dv_ref, dq_ref ([T, G, D] fp32: Σ over key blocks of dS·K, unscaled, added
-  atomically)."""
-  dq_ref = rest[3] if len(rest) == 4 else None
-  dk_ref, dv_ref = rest[-3:-1] if dq_ref is not None else rest
+                klo_ref, khi_ref, qlo_ref, qhi_ref, dk_ref, dv_ref):
   kb = _load_pieces(k_ref, slice(None), pieces)
   vb = v_ref[...]
   bk = vb.shape[0]
@@ -202,13 +191,6 @@ def _dkv_kernel(scale, bq, groups, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref,
     p = jnp.where(seen, jnp.exp(_dot_t_pieces(kb, qb) * scale - lse[None, :]), 0.0)  # [bk, bq]
     dv = dv + _dot(p.astype(dob.dtype), dob)
     ds = (p * (_dot_t(vb, dob) - delta[None, :])).astype(dob.dtype)
-    if dq_ref is not None:
-      for kp, (off, size) in zip(kb, pieces):
-        dq_part = lax.dot_general(ds, kp, (((0,), (0,)), ((), ())),
-                                  preferred_element_type=jnp.float32)          # [bq, size]
-        # (The head index as an array: the interpreter's atomic add wants every index to have a
-        # shape.)
-        pl_triton.atomic_add(dq_ref, (pl.ds(start, bq), jnp.int32(g), pl.ds(off, size)), dq_part)
     return tuple(acc + _dot(ds, qp) for acc, qp in zip(dk, qb)), dv
 
   carry = (tuple(jnp.zeros((bk, size), jnp.float32) for _, size in pieces),
@@ -252,60 +234,44 @@ def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float
   b, t, h, d = q.shape
   s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   g = h // hk
-  if not cfg.dq_in_dkv:
-    bq, bk = cfg.block_q, cfg.block_k
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale, bk, head_pieces(d)),
-        grid=(b, h, t // bq),
-        in_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-            pl.BlockSpec((None, s, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
-            pl.BlockSpec((None, s, None, dv), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
-            pl.BlockSpec((None, bq, None, dv), lambda bi, hi, qi: (bi, qi, hi, 0)),
-            pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
-            pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
-            pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-            pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-        ],
-        out_specs=pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=cfg.interpret, name="flash_ranges_dq", **_params(cfg, cfg.dq_launch),
-    )(q, k, v, dout, lse, delta, k_lo, k_hi)
+  bq, bk = cfg.block_q, cfg.block_k
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale, bk, head_pieces(d)),
+      grid=(b, h, t // bq),
+      in_specs=[
+          pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, s, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, s, None, dv), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, bq, None, dv), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+          pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+      ],
+      out_specs=pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=cfg.interpret, name="flash_ranges_dq", **_params(cfg, cfg.dq_launch),
+  )(q, k, v, dout, lse, delta, k_lo, k_hi)
 
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-  per_query = lambda width: pl.BlockSpec((None, t, g, width), lambda bi, hi, ki: (bi, 0, hi, 0))
-  per_key = lambda width: pl.BlockSpec((None, bk, None, width), lambda bi, hi, ki: (bi, ki, hi, 0))
-  in_specs = [
-      per_query(d), per_key(d), per_key(dv), per_query(dv),
-      pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
-      pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
-      pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
-      pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
-      pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
-      pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
-  ]
-  args = [q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi]
-  out_specs = [per_key(d), per_key(dv)]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-  extra = {}
-  if cfg.dq_in_dkv:
-    # Every key block's program adds into the dq rows of the queries it visits; the fp32 sums
-    # start from zeros that the output aliases.
-    in_specs.append(per_query(d))
-    args.append(jnp.zeros(q.shape, jnp.float32))
-    out_specs.append(per_query(d))
-    out_shape.append(jax.ShapeDtypeStruct(q.shape, jnp.float32))
-    extra = dict(input_output_aliases={len(args) - 1: 2})
-  outs = pl.pallas_call(
+  dk, dv_ = pl.pallas_call(
       functools.partial(_dkv_kernel, scale, bq, g, head_pieces(d)),
       grid=(b, hk, s // bk),
-      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-      interpret=cfg.interpret, name="flash_ranges_dkvq" if cfg.dq_in_dkv else "flash_ranges_dkv",
-      **extra, **_params(cfg, cfg.dkv_launch),
-  )(*args)
-  if cfg.dq_in_dkv:
-    dk, dv_, dq = outs
-    dq = (dq * scale).astype(q.dtype)
-  else:
-    dk, dv_ = outs
+      in_specs=[
+          pl.BlockSpec((None, t, g, d), lambda bi, hi, ki: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+          pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0)),
+          pl.BlockSpec((None, t, g, dv), lambda bi, hi, ki: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
+          pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
+          pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
+          pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
+          pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
+          pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
+      ],
+      out_specs=[pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+                 pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0))],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
+      interpret=cfg.interpret, name="flash_ranges_dkv", **_params(cfg, cfg.dkv_launch),
+  )(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi)
   return dq, dk, dv_
