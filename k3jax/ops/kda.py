@@ -317,7 +317,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
               output_final_state: bool = False, use_qk_l2norm: bool = False,
               cu_seqlens: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
               chunk_size: int = 64, backend: str = "auto", A_log: Optional[jax.Array] = None,
-              dt_bias: Optional[jax.Array] = None, lower_bound: Optional[float] = None):
+              dt_bias: Optional[jax.Array] = None, lower_bound: Optional[float] = None,
+              qkv_zero_at_padding: bool = False):
   """Chunked KDA (WY representation), differentiable by JAX autodiff on the XLA backend.
 
   Args:
@@ -347,6 +348,12 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
       bounded (both kernel variants compiled).
     dt_bias: [H*K] gate bias, or None (zero); only with A_log.
     lower_bound: in [-5, 0) for the bounded gate, None for the unbounded one; only with A_log.
+    qkv_zero_at_padding: the caller's q, k and v are already zero at padding tokens (segment id
+      0; the KDA layer's short convolutions make them so): padding is then made the identity by
+      its gate and beta alone, without masking q, k and v again (on the GPU, one pass over three
+      [B, T, H, K] arrays forward and their gradients backward). The gradients reaching q, k and
+      v at padding tokens are then the kernels' (not zeroed), which a caller that produced zeros
+      there discards. False masks them. Only meaningful with segment_ids or cu_seqlens.
 
   Returns:
     o: [B, T, H, V] in v.dtype (zeros at padding tokens).
@@ -393,7 +400,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
         return pallas_chunk_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
                                 output_final_state=output_final_state,
                                 use_qk_l2norm=use_qk_l2norm, cu_seqlens=cu_seqlens,
-                                segment_ids=segment_ids, chunk_size=chunk_size, **gate)
+                                segment_ids=segment_ids, chunk_size=chunk_size,
+                                qkv_zero_at_padding=qkv_zero_at_padding, **gate)
       if cu_seqlens is not None:  # one packed row: nothing to split over devices
         return run(a32, dt32, q, k, v, g, beta, initial_state, segment_ids, cu_seqlens)
       # The kernel is opaque to XLA's partitioner: under a mesh, each device runs its own rows
@@ -404,12 +412,13 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   scale = K ** -0.5 if scale is None else float(scale)
   if fused:
     g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
-  return _chunk_kda_xla(q, k, v, g, beta, scale, initial_state,
-                        output_final_state, use_qk_l2norm, cu_seqlens, segment_ids, chunk_size)
+  return _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state,
+                        use_qk_l2norm, cu_seqlens, segment_ids, chunk_size,
+                        bool(qkv_zero_at_padding))
 
 
 def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                   cu_seqlens, segment_ids, chunk_size):
+                   cu_seqlens, segment_ids, chunk_size, qkv_zero_at_padding=False):
   """`chunk_kda` on the XLA backend, after validation; scale is a Python float."""
   B, T, H, K = q.shape
   V = v.shape[-1]
@@ -429,7 +438,9 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
   k, v, g, beta = k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32)
   # Padding tokens are the identity: no decay, no write, no read.
   m = real[..., None, None]
-  q, k, g = (jnp.where(m, x, 0.0) for x in (q, k, g))
+  g = jnp.where(m, g, 0.0)
+  if not qkv_zero_at_padding:
+    q, k = jnp.where(m, q, 0.0), jnp.where(m, k, 0.0)
   beta = jnp.where(real[..., None], beta, 0.0)
 
   pad = T_pad - T
@@ -529,7 +540,7 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
                                  v_new, states_in)
 
 
-_chunk_kda_xla = compiler.lazy_jit(_chunk_kda_xla, static_argnums=(5, 7, 8, 11))
+_chunk_kda_xla = compiler.lazy_jit(_chunk_kda_xla, static_argnums=(5, 7, 8, 11, 12))
 
 
 def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gc, gs, lab, lab_in, v_new,

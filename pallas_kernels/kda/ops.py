@@ -106,10 +106,11 @@ def _core_bwd(cfg, res, cts):
 _core.defvjp(_core_fwd, _core_bwd)
 
 
-def _segment_inputs(segment_ids, g_pad, q, k, v, g, beta):
+def _segment_inputs(segment_ids, g_pad, q, k, v, g, beta, mask_qkv=True):
   """Masks padding tokens to the identity and numbers the documents of each row.
 
-  Returns q, k, v, g, beta with padding zeroed (g set to `g_pad`, a zero log decay) and the running
+  Returns q, k, v, g, beta with padding zeroed (g set to `g_pad`, a zero log decay; q, k, v left as
+  they are without mask_qkv, when the caller's are zero there already) and the running
   document number [B, T] int32 (+1 at each token whose id differs from the previous non-padding
   token's; the first document, and padding before it, is 0). The within-chunk numbering is taken
   from it after padding to the chunk grid.
@@ -126,7 +127,8 @@ def _segment_inputs(segment_ids, g_pad, q, k, v, g, beta):
   tok = real[:, :, None, None]
   # Products with the mask, not selects against zeros: XLA shared one materialised zeros buffer
   # [B, T, H, K] between every layer's selects (3 GiB at 1M tokens, alive for the whole step).
-  q, k, v = (x * tok.astype(x.dtype) for x in (q, k, v))
+  if mask_qkv:
+    q, k, v = (x * tok.astype(x.dtype) for x in (q, k, v))
   g = jnp.where(tok, g, jnp.asarray(g_pad, g.dtype))   # g_pad may be -inf: a select
   beta = beta * real[:, :, None].astype(beta.dtype)
   return q, k, v, g, beta, doc
@@ -141,7 +143,8 @@ def _align(x, src, valid, pad_value):
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               use_qk_l2norm=False, cu_seqlens=None, segment_ids=None, chunk_size=64,
-              interpret=None, A_log=None, dt_bias=None, lower_bound=None, tuning=None):
+              interpret=None, A_log=None, dt_bias=None, lower_bound=None, tuning=None,
+              qkv_zero_at_padding=False):
   """Chunked KDA (Kimi Delta Attention) on Pallas kernels.
 
   Args:
@@ -167,6 +170,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       None selects the unbounded g = -exp(A_log)·softplus(g + dt_bias).
     tuning: `kernels.Tuning` launch parameters of the compiled kernels (None =
       `kernels.default_tuning`).
+    qkv_zero_at_padding: q, k and v are already zero at padding tokens: only g and beta are
+      masked (`k3jax.ops.kda.chunk_kda` says more).
 
   Returns:
     (o [B, T, H, V] in v.dtype, final state [N, H, K, V] fp32 or None).
@@ -232,7 +237,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
   dseg = None
   if segment_ids is not None:
-    q, k, v, g, beta, dseg = _segment_inputs(segment_ids, g_pad, q, k, v, g, beta)
+    q, k, v, g, beta, dseg = _segment_inputs(segment_ids, g_pad, q, k, v, g, beta,
+                                             mask_qkv=not qkv_zero_at_padding)
   if cu_seqlens is None:
     tp = -(-T // C) * C
     pad = tp - T

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from k3jax.config import ModelConfig
+from k3jax.layers import kda as kda_layer
 from k3jax.layers.kda import KDALayer
 
 BASE = ModelConfig(d_model=16, kda_num_heads=2, kda_head_dim=8, kda_value_dim=6, kda_conv_size=4,
@@ -230,3 +231,35 @@ def test_conv_backward_setting_reaches_the_three_short_convs():
 
   assert kernels_in_gradient("pallas") == [3, 3]
   assert kernels_in_gradient("xla") == [0, 0]
+
+
+@pytest.mark.parametrize("backend,conv_backward", [("xla", "xla"), ("pallas", "pallas")])
+def test_unmasked_qkv_give_the_masking_paths_gradients(monkeypatch, backend, conv_backward):
+  """The layer tells chunk_kda that q, k, v are zero at padding (its short convolutions make them
+  so) and skips their masking: its output and every gradient (parameters and input; padding
+  inside a row and at its end) equal those of the layer with chunk_kda masking them."""
+  cfg = dataclasses.replace(BASE, kda_backend=backend, kda_conv_backward=conv_backward,
+                            kda_gate_rank=4)
+  layer = KDALayer(cfg)
+  seg = np.array(SEG)
+  seg[1, 9:12] = 0                                   # padding inside the second row's document
+  x = jax.random.normal(jax.random.PRNGKey(12), (2, 22, cfg.d_model))
+  cot = jax.random.normal(jax.random.PRNGKey(13), (2, 22, cfg.d_model))
+  variables = layer.init(jax.random.PRNGKey(14), x)
+  loss = lambda v, x: jnp.sum(layer.apply(v, x, jnp.asarray(seg)) * cot)
+  seen = []
+
+  def masking(*args, **kwargs):
+    seen.append(kwargs.pop("qkv_zero_at_padding"))
+    return kda_layer.__dict__["_chunk_kda_unpatched"](*args, **kwargs)
+
+  got = jax.value_and_grad(loss, argnums=(0, 1))(variables, x)
+  monkeypatch.setitem(kda_layer.__dict__, "_chunk_kda_unpatched", kda_layer.chunk_kda)
+  monkeypatch.setattr(kda_layer, "chunk_kda", masking)
+  want = jax.value_and_grad(loss, argnums=(0, 1))(variables, x)
+  assert seen == [True]
+  assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
+  for path, a in jax.tree_util.tree_leaves_with_path(got[1]):
+    b = dict(jax.tree_util.tree_leaves_with_path(want[1]))[path]
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6,
+                               err_msg=jax.tree_util.keystr(path))

@@ -299,6 +299,38 @@ def test_segment_ids_equal_separate_runs():
     assert float(jnp.max(jnp.abs(o[0, 90:]))) == 0.0
 
 
+@pytest.mark.parametrize("backend", ["xla", "pallas"])
+def test_qkv_zero_at_padding_skips_only_redundant_masking(backend):
+  """With q, k, v already zero at padding (as the KDA layer's short convolutions make them),
+  qkv_zero_at_padding=True gives the same outputs, final states and gradients of g and beta as
+  the masking path, and the same q, k, v gradients at real tokens (packed rows with padding
+  between documents, inside one and at the end; Pallas interpreted)."""
+  T = 100
+  seg = np.zeros((2, T), np.int32)
+  seg[0, :20], seg[0, 20:50], seg[0, 60:90] = 1, 2, 3
+  seg[1, 5:45], seg[1, 48:68], seg[1, 68:] = 1, 1, 2
+  real = jnp.asarray(seg > 0)[:, :, None, None]
+  q, k, v, g, beta, h0 = make_inputs(13, B=2, T=T, H=2, K=16, V=16)
+  q, k, v = (jnp.where(real, x, 0.0) for x in (q, k, v))
+  cot = jax.random.normal(jax.random.PRNGKey(3), v.shape)
+
+  def run(zero, q, k, v, g, beta):
+    o, ht = kda.chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                          segment_ids=jnp.asarray(seg), chunk_size=16, backend=backend,
+                          use_qk_l2norm=True, qkv_zero_at_padding=zero)
+    return jnp.sum(o * cot) + jnp.sum(ht), (o, ht)
+
+  grads = {}
+  for zero in (False, True):
+    grads[zero] = jax.grad(run, argnums=(1, 2, 3, 4, 5), has_aux=True)(zero, q, k, v, g, beta)
+  (g_masked, (o_masked, ht_masked)), (g_unmasked, (o, ht)) = grads[False], grads[True]
+  assert error_ratio(o, o_masked) <= 1e-6 and error_ratio(ht, ht_masked) <= 1e-6
+  for name, a, b in zip("qkvgb", g_unmasked, g_masked):
+    if name in "qkv":
+      a, b = jnp.where(real, a, 0.0), jnp.where(real, b, 0.0)
+    assert error_ratio(a, b) <= 1e-6, name
+
+
 # --------------------------------------------------------------------------------------------------
 # Gate extremes.
 # --------------------------------------------------------------------------------------------------
