@@ -69,19 +69,10 @@ def emit(**row):
 
 
 def flash_config(spec: str, interpret: bool) -> FlashConfig:
-  """A --pallas-configs entry: six integers, then optionally 'ds<n>' (FlashConfig.dq_from_ds with
-  dq_ds_tiles = n)."""
-  fields = spec.split(",")
-  ds = fields[6] if len(fields) == 7 else None
-  if len(fields) not in (6, 7) or (ds is not None and not (ds[:2] == "ds" and ds[2:].isdigit())):
-    raise ValueError(f"--pallas-configs entry {spec!r}: expected block_q,block_k,block_q_dkv,"
-                     "block_k_dkv,warps,stages[,ds<n>]")
-  bq, bk, bq_dkv, bk_dkv, warps, stages = (int(x) for x in fields[:6])
+  bq, bk, bq_dkv, bk_dkv, warps, stages = (int(x) for x in spec.split(","))
   launch = (warps, stages)
-  extra = {} if ds is None else dict(dq_from_ds=True, dq_ds_tiles=int(ds[2:]))
   return FlashConfig(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
-                     fwd_launch=launch, dq_launch=launch, dkv_launch=launch, interpret=interpret,
-                     **extra)
+                     fwd_launch=launch, dq_launch=launch, dkv_launch=launch, interpret=interpret)
 
 
 def segments(t: int, n_docs: int, pad: int, seed: int = 0, batch: int = 1) -> np.ndarray:
@@ -305,8 +296,7 @@ def main():
   p.add_argument("--head-dim", type=int, default=192)
   p.add_argument("--v-dim", type=int, default=128)
   p.add_argument("--pallas-configs", default=";".join(PALLAS_CONFIGS),
-                 help="';'-separated block_q,block_k,block_q_dkv,block_k_dkv,warps,stages"
-                      "[,ds<n>]")
+                 help="';'-separated block_q,block_k,block_q_dkv,block_k_dkv,warps,stages")
   p.add_argument("--max-documents", type=int, default=16, help="cudnn_packed's static bound")
   p.add_argument("--xla-max-t", type=int, default=8192)
   p.add_argument("--reps", type=int, default=20)

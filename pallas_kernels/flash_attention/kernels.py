@@ -43,13 +43,6 @@ class FlashConfig:
     block_q / block_k: forward and dq kernel tiles (queries per program, keys per step).
     block_q_dkv / block_k_dkv: dk/dv kernel tiles (keys per program, queries per step).
     fwd_launch / dq_launch / dkv_launch: (num_warps, num_stages) of each kernel.
-    dq_from_ds: the dk/dv kernel also writes each [block_q_dkv, block_k_dkv] tile of dS that it
-      visits (in the input dtype) into a [B, H, T, S] buffer, and the dq kernel sums dS·K over
-      the written tiles instead of recomputing S and dP (three matmuls per tile pair become
-      one). The buffer holds the whole attention matrix, 2·B·H·T·S bytes in bf16
-      (`ds_buffer_bytes`): for short rows.
-    dq_ds_tiles: with dq_from_ds, the dS tiles (block_q_dkv queries each) side by side in one dq
-      program: it owns dq_ds_tiles · block_q_dkv queries.
     interpret: run in the Pallas interpreter (CPU tests).
   """
   block_q: int = 64
@@ -59,12 +52,10 @@ class FlashConfig:
   fwd_launch: tuple = (4, 2)
   dq_launch: tuple = (4, 2)
   dkv_launch: tuple = (4, 2)
-  dq_from_ds: bool = False
-  dq_ds_tiles: int = 4
   interpret: bool = False
 
   def __post_init__(self):
-    check_powers_of_two(self, "block_q", "block_k", "block_q_dkv", "block_k_dkv", "dq_ds_tiles")
+    check_powers_of_two(self, "block_q", "block_k", "block_q_dkv", "block_k_dkv")
 
 
 def head_pieces(d: int) -> tuple[tuple[int, int], ...]:
@@ -179,9 +170,7 @@ def _dq_kernel(scale, bk, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_re
 
 
 def _dkv_kernel(scale, bq, groups, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                klo_ref, khi_ref, qlo_ref, qhi_ref, dk_ref, dv_ref, ds_ref=None):
-  """ds_ref (FlashConfig.dq_from_ds): [G, T, bk], this key block's columns of dS (unscaled);
-  only the visited query blocks' rows are written."""
+                klo_ref, khi_ref, qlo_ref, qhi_ref, dk_ref, dv_ref):
   kb = _load_pieces(k_ref, slice(None), pieces)
   vb = v_ref[...]
   bk = vb.shape[0]
@@ -202,8 +191,6 @@ def _dkv_kernel(scale, bq, groups, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref,
     p = jnp.where(seen, jnp.exp(_dot_t_pieces(kb, qb) * scale - lse[None, :]), 0.0)  # [bk, bq]
     dv = dv + _dot(p.astype(dob.dtype), dob)
     ds = (p * (_dot_t(vb, dob) - delta[None, :])).astype(dob.dtype)
-    if ds_ref is not None:
-      ds_ref[g, pl.ds(start, bq), :] = ds.T
     return tuple(acc + _dot(ds, qp) for acc, qp in zip(dk, qb)), dv
 
   carry = (tuple(jnp.zeros((bk, size), jnp.float32) for _, size in pieces),
@@ -214,44 +201,6 @@ def _dkv_kernel(scale, bq, groups, pieces, q_ref, k_ref, v_ref, do_ref, lse_ref,
   for acc, (off, size) in zip(dk, pieces):
     dk_ref[:, pl.ds(off, size)] = (acc * scale).astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
-
-
-def _dq_from_ds_kernel(scale, bk, bq, pieces, k_ref, ds_ref, tile_first_ref, tile_last_ref,
-                       klo_ref, khi_ref, dq_ref):
-  """dq of a block of queries from the dS tiles that the dk/dv kernel wrote: k_ref [S, D];
-  ds_ref [nq, S] (this block's rows); tile_first/last_ref [S / bk] int32 (the query tiles of bq
-  rows that each key block wrote); klo/khi_ref [nq]; dq_ref [nq, D]."""
-  klo, khi = klo_ref[...], khi_ref[...]
-  nq = klo.shape[0]
-  # Query tile of each row; the rows of tiles a key block did not visit were never written.
-  row_tile = (pl.program_id(2) * nq + lax.broadcasted_iota(jnp.int32, (nq,), 0)) // bq
-  first, last = _block_span(klo, khi, bk)
-
-  def step(j, dq):
-    written = (row_tile >= tile_first_ref[j]) & (row_tile < tile_last_ref[j])
-    keys = pl.ds(pl.multiple_of(j * bk, bk), bk)
-    ds = pl_triton.load(ds_ref.at[:, keys], mask=written[:, None], other=0)          # [nq, bk]
-    kb = _load_pieces(k_ref, keys, pieces)
-    return tuple(acc + _dot(ds, kp) for acc, kp in zip(dq, kb))
-
-  dq = lax.fori_loop(first, last, step,
-                     tuple(jnp.zeros((nq, size), jnp.float32) for _, size in pieces))
-  for acc, (off, size) in zip(dq, pieces):
-    dq_ref[:, pl.ds(off, size)] = (acc * scale).astype(dq_ref.dtype)
-
-
-def ds_tiles(q_lo, q_hi, bq: int, bk: int):
-  """(first, last) [B, S / bk] int32: key block kb's dk/dv program visits query tiles [first,
-  last) of bq queries (`_block_span` of its keys' query ranges, as the kernel computes it)."""
-  b, s = q_lo.shape
-  first = jnp.min(q_lo.reshape(b, s // bk, bk), axis=-1) // bq
-  last = (jnp.max(q_hi.reshape(b, s // bk, bk), axis=-1) + bq - 1) // bq
-  return first, jnp.maximum(first, last)
-
-
-def ds_buffer_bytes(b: int, h: int, t: int, s: int, itemsize: int = 2) -> int:
-  """Bytes of FlashConfig.dq_from_ds's dS buffer [B, H, T, S] for these (padded) sizes."""
-  return b * h * t * s * itemsize
 
 
 def flash_fwd(q, k, v, k_lo, k_hi, *, scale: float, cfg: FlashConfig):
@@ -285,72 +234,44 @@ def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float
   b, t, h, d = q.shape
   s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   g = h // hk
-  if not cfg.dq_from_ds:
-    bq, bk = cfg.block_q, cfg.block_k
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, scale, bk, head_pieces(d)),
-        grid=(b, h, t // bq),
-        in_specs=[
-            pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-            pl.BlockSpec((None, s, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
-            pl.BlockSpec((None, s, None, dv), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
-            pl.BlockSpec((None, bq, None, dv), lambda bi, hi, qi: (bi, qi, hi, 0)),
-            pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
-            pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
-            pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-            pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
-        ],
-        out_specs=pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=cfg.interpret, name="flash_ranges_dq", **_params(cfg, cfg.dq_launch),
-    )(q, k, v, dout, lse, delta, k_lo, k_hi)
+  bq, bk = cfg.block_q, cfg.block_k
+  dq = pl.pallas_call(
+      functools.partial(_dq_kernel, scale, bk, head_pieces(d)),
+      grid=(b, h, t // bq),
+      in_specs=[
+          pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, s, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, s, None, dv), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
+          pl.BlockSpec((None, bq, None, dv), lambda bi, hi, qi: (bi, qi, hi, 0)),
+          pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+          pl.BlockSpec((None, None, bq), lambda bi, hi, qi: (bi, hi, qi)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+          pl.BlockSpec((None, bq), lambda bi, hi, qi: (bi, qi)),
+      ],
+      out_specs=pl.BlockSpec((None, bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
+      out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
+      interpret=cfg.interpret, name="flash_ranges_dq", **_params(cfg, cfg.dq_launch),
+  )(q, k, v, dout, lse, delta, k_lo, k_hi)
 
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-  nk, nq = s // bk, t // bq
-  row = pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0))
-  in_specs = [
-      pl.BlockSpec((None, t, g, d), lambda bi, hi, ki: (bi, 0, hi, 0)),
-      pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
-      pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0)),
-      pl.BlockSpec((None, t, g, dv), lambda bi, hi, ki: (bi, 0, hi, 0)),
-      pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
-      pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
-      row, row,
-      pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
-      pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
-  ]
-  args = [q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi]
-  out_specs = [pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
-               pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0))]
-  out_shape = [jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)]
-  if cfg.dq_from_ds:
-    out_specs.append(pl.BlockSpec((None, g, t, bk), lambda bi, hi, ki: (bi, hi, 0, ki)))
-    out_shape.append(jax.ShapeDtypeStruct((b, h, t, s), dout.dtype))
-  outs = pl.pallas_call(
+  dk, dv_ = pl.pallas_call(
       functools.partial(_dkv_kernel, scale, bq, g, head_pieces(d)),
-      grid=(b, hk, nk),
-      in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+      grid=(b, hk, s // bk),
+      in_specs=[
+          pl.BlockSpec((None, t, g, d), lambda bi, hi, ki: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+          pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0)),
+          pl.BlockSpec((None, t, g, dv), lambda bi, hi, ki: (bi, 0, hi, 0)),
+          pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
+          pl.BlockSpec((None, g, t), lambda bi, hi, ki: (bi, hi, 0)),
+          pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
+          pl.BlockSpec((None, t), lambda bi, hi, ki: (bi, 0)),
+          pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
+          pl.BlockSpec((None, bk), lambda bi, hi, ki: (bi, ki)),
+      ],
+      out_specs=[pl.BlockSpec((None, bk, None, d), lambda bi, hi, ki: (bi, ki, hi, 0)),
+                 pl.BlockSpec((None, bk, None, dv), lambda bi, hi, ki: (bi, ki, hi, 0))],
+      out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=cfg.interpret, name="flash_ranges_dkv", **_params(cfg, cfg.dkv_launch),
-  )(*args)
-  dk, dv_ = outs[:2]
-  if cfg.dq_from_ds:
-    n = min(cfg.dq_ds_tiles, nq)
-    while nq % n:
-      n //= 2
-    tile_first, tile_last = ds_tiles(q_lo, q_hi, bq, bk)
-    per_key_block = pl.BlockSpec((None, nk), lambda bi, hi, qi: (bi, 0))
-    dq = pl.pallas_call(
-        functools.partial(_dq_from_ds_kernel, scale, bk, bq, head_pieces(d)),
-        grid=(b, h, nq // n),
-        in_specs=[
-            pl.BlockSpec((None, s, None, d), lambda bi, hi, qi: (bi, 0, hi // g, 0)),
-            pl.BlockSpec((None, None, n * bq, s), lambda bi, hi, qi: (bi, hi, qi, 0)),
-            per_key_block, per_key_block,
-            pl.BlockSpec((None, n * bq), lambda bi, hi, qi: (bi, qi)),
-            pl.BlockSpec((None, n * bq), lambda bi, hi, qi: (bi, qi)),
-        ],
-        out_specs=pl.BlockSpec((None, n * bq, None, d), lambda bi, hi, qi: (bi, qi, hi, 0)),
-        out_shape=jax.ShapeDtypeStruct(q.shape, q.dtype),
-        interpret=cfg.interpret, name="flash_ranges_dq_from_ds", **_params(cfg, cfg.dq_launch),
-    )(k, outs[2], tile_first, tile_last, k_lo, k_hi)
+  )(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi)
   return dq, dk, dv_

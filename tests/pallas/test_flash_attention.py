@@ -1,7 +1,6 @@
 """pallas_kernels.flash_attention (interpret mode on CPU) against dense fp32 references."""
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -16,9 +15,6 @@ from testlib import error_ratio
 
 # Small tiles so that short rows span several blocks of both kernels' loops.
 CFG = FlashConfig(block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16, interpret=True)
-# dq from the dS tiles that the dk/dv kernel saves (two tiles of 16 queries per dq program).
-CFG_DS = dataclasses.replace(CFG, block_q_dkv=16, dq_from_ds=True, dq_ds_tiles=2)
-CONFIGS = pytest.mark.parametrize("cfg", [CFG, CFG_DS], ids=["dq_kernel", "dq_from_ds"])
 
 
 def _inputs(b, t, h, hk, d, dv, seed=0):
@@ -30,14 +26,13 @@ def _inputs(b, t, h, hk, d, dv, seed=0):
 SEG = np.array([[1] * 30 + [2] * 45 + [3] * 15 + [0] * 10, [1] * 100], np.int32)
 
 
-@CONFIGS
 @pytest.mark.parametrize("hk, causal", [(2, True), (4, False)])
-def test_matches_reference_with_grads(hk, causal, cfg):
+def test_matches_reference_with_grads(hk, causal):
   """Documents of a packed row as ranges; T = 100 is no multiple of any block, head dims 24 / 12
   are no powers of two (padded inside), GQA (4 query heads on 2 key heads)."""
   q, k, v, do = _inputs(2, 100, 4, hk, 24, 12)
   ranges = attention_gpu.key_ranges(jnp.asarray(SEG), causal)
-  run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=0.3, config=cfg)
+  run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=0.3, config=CFG)
   ref = lambda q, k, v: reference_attention(q, k, v, ranges[0], ranges[1], scale=0.3)
   out, vjp = jax.vjp(run, q, k, v)
   want, vjp_ref = jax.vjp(ref, q, k, v)
@@ -54,14 +49,13 @@ def test_head_pieces_are_powers_of_two_that_tile_the_head_dim():
     head_pieces(24)
 
 
-@CONFIGS
 @pytest.mark.parametrize("d", [48, 112])
-def test_head_dim_in_pieces_matches_reference(d, cfg):
+def test_head_dim_in_pieces_matches_reference(d):
   """q/k head dims that are no power of two (MLA's is 192 = 128 + 64) are read in power-of-two
   pieces, not padded: two and three pieces, GQA, a causal packed row with padding."""
   q, k, v, do = _inputs(2, 100, 4, 2, d, 16, seed=4)
   ranges = attention_gpu.key_ranges(jnp.asarray(SEG), True)
-  run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=d ** -0.5, config=cfg)
+  run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=d ** -0.5, config=CFG)
   ref = lambda q, k, v: reference_attention(q, k, v, ranges[0], ranges[1], scale=d ** -0.5)
   out, vjp = jax.vjp(run, q, k, v)
   want, vjp_ref = jax.vjp(ref, q, k, v)
@@ -70,15 +64,14 @@ def test_head_dim_in_pieces_matches_reference(d, cfg):
     assert error_ratio(got, exp) < 1e-5, name
 
 
-@CONFIGS
-def test_skips_blocks_outside_the_ranges(cfg):
+def test_skips_blocks_outside_the_ranges():
   """NaN keys/values of the first document's blocks reach neither the outputs nor the gradients
   of the last document: its programs never load those blocks (forward, dq and dk/dv loops)."""
   q, k, v, do = _inputs(1, 128, 2, 2, 16, 16, seed=1)
   seg = jnp.asarray(np.array([[1] * 64 + [2] * 64], np.int32))
   ranges = attention_gpu.key_ranges(seg, True)
   k_bad, v_bad = k.at[:, :32].set(jnp.nan), v.at[:, :32].set(jnp.nan)
-  run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=0.25, config=cfg)
+  run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=0.25, config=CFG)
   out, vjp = jax.vjp(run, q, k_bad, v_bad)
   dq, dk, dv = vjp(do.at[:, :64].set(0.0))
   want = reference_attention(q, k, v, ranges[0], ranges[1], scale=0.25)
