@@ -88,3 +88,39 @@ def test_stream_hlo_op_times_keys_command_buffer_kernels_by_name(tmp_path):
   assert dict(trace_times.stream_hlo_op_times(write_xspace(tmp_path, XSPACE_HLO_OPS))) == {
       "fusion.7": 2000.0, "loop_add_fusion_3": 1000.0, "nvjet_sm90_tst": 4000.0,
       "memcpy128": 500.0}
+
+
+# The same instruction name in two programs (stat 10: 'hlo_module'); one kernel without the stat.
+XSPACE_TWO_PROGRAMS = """
+planes { id: 1 name: "/device:GPU:0"
+  lines { id: 1 name: "Stream #13(compute)"
+    events { metadata_id: 1 offset_ps: 0 duration_ps: 2000000 stats { metadata_id: 9 str_value: "loop_add_fusion.43" } stats { metadata_id: 10 str_value: "jit_train_step_microbatch" } }
+    events { metadata_id: 1 offset_ps: 3000000 duration_ps: 5000000 stats { metadata_id: 9 str_value: "loop_add_fusion.43" } stats { metadata_id: 10 str_value: "jit_train_step_update" } }
+    events { metadata_id: 2 offset_ps: 9000000 duration_ps: 1000000 stats { metadata_id: 9 str_value: "fusion.2" } stats { metadata_id: 10 str_value: "jit_train_step_microbatch" } }
+    events { metadata_id: 3 offset_ps: 11000000 duration_ps: 500000 } }
+  event_metadata { key: 1 value { id: 1 name: "loop_add_fusion_43" } }
+  event_metadata { key: 2 value { id: 2 name: "loop_fusion_2" } }
+  event_metadata { key: 3 value { id: 3 name: "memcpy128" } }
+  stat_metadata { key: 9 value { id: 9 name: "hlo_op" } }
+  stat_metadata { key: 10 value { id: 10 name: "hlo_module" } }
+}
+"""
+
+
+def test_stream_hlo_op_times_of_one_program(tmp_path):
+  """Instruction names repeat across a step's programs: `module` keeps one program's kernels
+  (by the 'hlo_module' stat); without it the two programs' same-named kernels add up."""
+  trace = write_xspace(tmp_path, XSPACE_TWO_PROGRAMS)
+  assert dict(trace_times.stream_hlo_op_times(trace, module="train_step_microbatch")) == {
+      "loop_add_fusion.43": 2000.0, "fusion.2": 1000.0}
+  assert dict(trace_times.stream_hlo_op_times(trace, module="train_step_update")) == {
+      "loop_add_fusion.43": 5000.0}
+  assert dict(trace_times.stream_hlo_op_times(trace)) == {
+      "loop_add_fusion.43": 7000.0, "fusion.2": 1000.0, "memcpy128": 500.0}
+
+
+def test_stream_hlo_op_times_without_module_stats_counts_all(tmp_path):
+  """A trace whose kernels carry no 'hlo_module' stat: `module` cannot select, all are counted."""
+  trace = write_xspace(tmp_path, XSPACE_HLO_OPS)
+  assert (trace_times.stream_hlo_op_times(trace, module="train_step_microbatch")
+          == trace_times.stream_hlo_op_times(trace))

@@ -67,14 +67,22 @@ def _stat(event, name: str):
   return None
 
 
-def stream_hlo_op_times(logdir: str, device_index: int = 0) -> collections.Counter:
+def stream_hlo_op_times(logdir: str, device_index: int = 0,
+                        module: str | None = None) -> collections.Counter:
   """HLO instruction -> total ns of the kernels it launched, over the stream lines of the plane
   '/device:GPU:<device_index>' (the 'hlo_op' stat XLA attaches to each kernel; a kernel without
   one is counted under its own name). Kernels that XLA launched from a command buffer (a CUDA
   graph of many HLO instructions) carry the thunk's name, 'command_buffer_<n>', as hlo_op: those
   are counted under their kernel names too, which for XLA's fusions are the instructions' names
-  ('loop_add_fusion.3' runs as 'loop_add_fusion_3'). Empty when the trace has no such plane."""
-  total = collections.Counter()
+  ('loop_add_fusion.3' runs as 'loop_add_fusion_3'). Empty when the trace has no such plane.
+
+  module: count only the kernels whose 'hlo_module' stat contains it (e.g.
+  'train_step_microbatch'): instruction names repeat across programs (the update program's
+  optimizer fusion 'loop_add_fusion.43' is another kernel than the micro-batch program's
+  gradient accumulation of that name), so a step of several programs mixes them otherwise. When
+  no kernel of the trace carries an 'hlo_module' stat, all are counted."""
+  total, kept = collections.Counter(), collections.Counter()
+  tagged = False
   for plane in _newest_planes(logdir):
     if plane.name != f"/device:GPU:{device_index}":
       continue
@@ -83,5 +91,11 @@ def stream_hlo_op_times(logdir: str, device_index: int = 0) -> collections.Count
         for event in line.events:
           op = _stat(event, "hlo_op")
           use_op = op and not str(op).startswith("command_buffer")
-          total[str(op) if use_op else event.name] += event.duration_ns
-  return total
+          key = str(op) if use_op else event.name
+          total[key] += event.duration_ns
+          if module is not None:
+            owner = _stat(event, "hlo_module")
+            tagged |= owner is not None
+            if owner is not None and module in str(owner):
+              kept[key] += event.duration_ns
+  return kept if module is not None and tagged else total

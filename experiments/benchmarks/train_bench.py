@@ -190,16 +190,21 @@ def top_host_events(logdir: str, top: int = 40) -> dict:
 
 
 def profiled_step(logdir: str, dump_dir: str) -> tuple[dict, str]:
-  """(the trace's kernel time per HLO instruction, the step's optimised HLO text): what
-  `scope_kernel_times` and gemm_rates.py read, loaded once (medium.gin's HLO is ~30 MB). The
-  times are also written to `logdir`/op_times.json for gemm_rates.py's command line."""
+  """(the trace's kernel time per HLO instruction of the step's largest program, that program's
+  optimised HLO text): what `scope_kernel_times` and gemm_rates.py read, loaded once
+  (medium.gin's HLO is ~30 MB). The times count that program's kernels only (by the trace's
+  'hlo_module' stat, `trace_times.stream_hlo_op_times`: the host loop's programs reuse
+  instruction names); they are also written to `logdir`/op_times.json for gemm_rates.py's
+  command line."""
   sys.path.insert(0, _HERE)
   import hlo_memory
   import trace_times
-  ops = trace_times.stream_hlo_op_times(logdir)
+  _, hlo = hlo_memory.module_files(dump_dir, "train_step")
+  # module_<id>.<name>.<target>_after_optimizations.txt -> <name>, e.g. jit_train_step_microbatch.
+  program = os.path.basename(hlo).split(".")[1]
+  ops = trace_times.stream_hlo_op_times(logdir, module=program)
   with open(os.path.join(logdir, "op_times.json"), "w") as f:
     json.dump(ops, f)
-  _, hlo = hlo_memory.module_files(dump_dir, "train_step")
   with open(hlo) as f:
     return ops, f.read()
 
