@@ -116,7 +116,7 @@ class KDALayer(nn.Module):
       # (on the Pallas path, one static kernel variant for the bounded gate and no fp32 decay
       # written, read back or saved for the backward; the XLA path computes kda_gate first).
       # The short convolutions give q, k, v = 0 at padding (segment id 0), and their backward
-      # ignores the gradients there: chunk_kda need not mask them again (1 % of medium.gin's
+      # ignores the gradients there: chunk_kda need not mask them again (0.8 % of medium.gin's
       # step on an H200, RESULTS.md run 30).
       o, _ = chunk_kda(q, k, v, gate_x, beta, use_qk_l2norm=True, segment_ids=segment_ids,
                        chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend,
