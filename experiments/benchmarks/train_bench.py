@@ -417,8 +417,12 @@ def run_case(case: dict, args, process_start: float) -> dict:
       emit(event="profile_scopes", case=name, **scope_kernel_times(
           ops, hlo_text, args.profile_steps, mcfg, seq_len, top=max(40, args.profile_top)))
       import gemm_rates   # on sys.path since profiled_step
-      emit(event="gemms", case=name, **gemm_rates.gemm_rates(
-          ops, hlo_text, args.profile_steps, args.peak_tflops, top=max(40, args.profile_top)))
+      # The profiled program's matmuls run once per micro-batch: the host loop's micro-batch
+      # program is called, and the scan loop's body iterates, `microbatches` times a step.
+      runs = row["microbatches"]
+      emit(event="gemms", case=name, program_runs_per_step=runs, **gemm_rates.gemm_rates(
+          ops, hlo_text, args.profile_steps * runs, args.peak_tflops,
+          top=max(40, args.profile_top)))
   return row
 
 
