@@ -111,10 +111,11 @@ def test_stream_hlo_op_times_of_one_program(tmp_path):
   """Instruction names repeat across a step's programs: `module` keeps one program's kernels
   (by the 'hlo_module' stat); without it the two programs' same-named kernels add up."""
   trace = write_xspace(tmp_path, XSPACE_TWO_PROGRAMS)
-  assert dict(trace_times.stream_hlo_op_times(trace, module="train_step_microbatch")) == {
+  assert dict(trace_times.stream_hlo_op_times(trace, module="jit_train_step_microbatch")) == {
       "loop_add_fusion.43": 2000.0, "fusion.2": 1000.0}
-  assert dict(trace_times.stream_hlo_op_times(trace, module="train_step_update")) == {
+  assert dict(trace_times.stream_hlo_op_times(trace, module="jit_train_step_update")) == {
       "loop_add_fusion.43": 5000.0}
+  assert not trace_times.stream_hlo_op_times(trace, module="jit_train_step")   # names, not parts
   assert dict(trace_times.stream_hlo_op_times(trace)) == {
       "loop_add_fusion.43": 7000.0, "fusion.2": 1000.0, "memcpy128": 500.0}
 
@@ -122,5 +123,5 @@ def test_stream_hlo_op_times_of_one_program(tmp_path):
 def test_stream_hlo_op_times_without_module_stats_counts_all(tmp_path):
   """A trace whose kernels carry no 'hlo_module' stat: `module` cannot select, all are counted."""
   trace = write_xspace(tmp_path, XSPACE_HLO_OPS)
-  assert (trace_times.stream_hlo_op_times(trace, module="train_step_microbatch")
+  assert (trace_times.stream_hlo_op_times(trace, module="jit_train_step_microbatch")
           == trace_times.stream_hlo_op_times(trace))

@@ -125,9 +125,9 @@ def gemm_rates(op_ns: Mapping[str, int], hlo_text: str, steps: int,
   """{'matmul_ms', 'matmul_tflop', 'tflops', 'unmatched_gemm_ms', 'rows': [...]}: the matmuls of
   `op_ns` (instruction or kernel name -> ns over `steps` runs of the program whose HLO
   `hlo_text` is; a step of n micro-batches runs the micro-batch program n times) with their
-  FLOPs from the HLO. rows (the `top` by time): [instruction, module kind, scope, operand shapes,
-  ms per run, TFLOP per run, TFLOP/s, share of peak_tflops]. unmatched_gemm_ms: time of kernels named like cuBLAS
-  GEMMs that no instruction claims (command buffers on)."""
+  FLOPs from the HLO. rows (the `top` by time): [instruction, module kind, scope, operand
+  shapes, ms per run, TFLOP per run, TFLOP/s, share of peak_tflops]. unmatched_gemm_ms: time of
+  kernels named like cuBLAS GEMMs that no instruction claims (command buffers on)."""
   flops = matmul_flops(hlo_text)
   rows, total_ns, total_flops, unmatched = [], 0, 0, 0
   for op, ns in op_ns.items():

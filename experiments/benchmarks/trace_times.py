@@ -76,8 +76,8 @@ def stream_hlo_op_times(logdir: str, device_index: int = 0,
   are counted under their kernel names too, which for XLA's fusions are the instructions' names
   ('loop_add_fusion.3' runs as 'loop_add_fusion_3'). Empty when the trace has no such plane.
 
-  module: count only the kernels whose 'hlo_module' stat contains it (e.g.
-  'train_step_microbatch'): instruction names repeat across programs (the update program's
+  module: count only the kernels whose 'hlo_module' stat is this program's name (e.g.
+  'jit_train_step_microbatch'): instruction names repeat across programs (the update program's
   optimizer fusion 'loop_add_fusion.43' is another kernel than the micro-batch program's
   gradient accumulation of that name), so a step of several programs mixes them otherwise. When
   no kernel of the trace carries an 'hlo_module' stat, all are counted."""
@@ -96,6 +96,6 @@ def stream_hlo_op_times(logdir: str, device_index: int = 0,
           if module is not None:
             owner = _stat(event, "hlo_module")
             tagged |= owner is not None
-            if owner is not None and module in str(owner):
+            if owner is not None and str(owner) == module:
               kept[key] += event.duration_ns
   return kept if module is not None and tagged else total
