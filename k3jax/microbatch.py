@@ -202,22 +202,26 @@ def _replicated(state_shardings) -> Any:
   return None
 
 
+def _update_args(state, acc: dict, moe_state: PyTree) -> tuple:
+  """The update program's arguments (`HostLoopStep._update_for`). The old balance state goes
+  apart from the donated rest: the last micro-batch's balance state may be the very same arrays
+  (a model that writes none passes its input through)."""
+  return state.replace(moe_state=None), state.moe_state, acc, moe_state
+
+
 def _run(prepare: Callable, microbatch: Callable, update: Callable, state, batch: dict):
   """The host loop: prepare, one program call per micro-batch, the update."""
   micro_batches, weights, acc, copies = prepare(state.params, state.moe_state, batch)
   moe_state = state.moe_state
   for micro_batch, weight in zip(micro_batches, weights):
     acc, moe_state = microbatch(state.params, copies, moe_state, micro_batch, weight, acc)
-  # The old balance state goes apart from the donated rest: the last micro-batch's balance state
-  # may be the very same arrays (a model that writes none passes its input through).
-  return update(state.replace(moe_state=None), state.moe_state, acc, moe_state)
+  return update(*_update_args(state, acc, moe_state))
 
 
 def _run_split(grads: Callable, update: Callable, state, batch: dict):
   """A step of one micro-batch: the gradients' program, then the update's."""
   acc, moe_state = grads(state.params, state.moe_state, batch)
-  # As in `_run`: the old balance state apart from the donated rest.
-  return update(state.replace(moe_state=None), state.moe_state, acc, moe_state)
+  return update(*_update_args(state, acc, moe_state))
 
 
 class HostLoopStep:
@@ -406,21 +410,18 @@ class HostLoopStep:
       grads, update = self._split_for_one()
       grads_lowered = grads.lower(state.params, state.moe_state, batch)
       acc, moe_state = _abstract(grads_lowered.out_info, device)
-      return HostLoopLowered(
-          {"train_step_grads": grads_lowered},
-          {"train_step_update": _later_in_this_context(lambda: update.lower(
-              state.replace(moe_state=None), state.moe_state, acc, moe_state))})
-    info = self._info(state.params, state.moe_state, batch, num_micro)
-    prepare, microbatch, update = self._programs_for(num_micro, info)
-    prepare_lowered = prepare.lower(state.params, state.moe_state, batch)
-    micro_batches, weights, acc, copies = _abstract(prepare_lowered.out_info, device)
-    micro_lowered = microbatch.lower(state.params, copies, state.moe_state, micro_batches[0],
-                                     weights[0], acc)
-    _, moe_state = _abstract(micro_lowered.out_info, device)
-    return HostLoopLowered(
-        {"train_step_prepare": prepare_lowered, "train_step_microbatch": micro_lowered},
-        {"train_step_update": _later_in_this_context(lambda: update.lower(
-            state.replace(moe_state=None), state.moe_state, acc, moe_state))})
+      lowered = {"train_step_grads": grads_lowered}
+    else:
+      info = self._info(state.params, state.moe_state, batch, num_micro)
+      prepare, microbatch, update = self._programs_for(num_micro, info)
+      prepare_lowered = prepare.lower(state.params, state.moe_state, batch)
+      micro_batches, weights, acc, copies = _abstract(prepare_lowered.out_info, device)
+      micro_lowered = microbatch.lower(state.params, copies, state.moe_state, micro_batches[0],
+                                       weights[0], acc)
+      _, moe_state = _abstract(micro_lowered.out_info, device)
+      lowered = {"train_step_prepare": prepare_lowered, "train_step_microbatch": micro_lowered}
+    return HostLoopLowered(lowered, {"train_step_update": _later_in_this_context(
+        lambda: update.lower(*_update_args(state, acc, moe_state)))})
 
 
 class HostLoopLowered:
