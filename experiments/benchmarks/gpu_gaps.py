@@ -29,22 +29,19 @@ import trace_times  # noqa: E402  (experiments/benchmarks is not a package)
 
 def _kernels_and_modules(logdir: str, device_index: int = 0):
   """([(start_ns, end_ns, kernel name)] sorted, [(start_ns, end_ns, program name)] sorted, the
-  plane's other line names) of the device plane '/device:GPU:<device_index>' in the newest trace
-  under `logdir`."""
+  plane's other line names) of `trace_times.gpu_plane`."""
   kernels, modules, others = [], [], set()
-  for plane in trace_times._newest_planes(logdir):  # pylint: disable=protected-access
-    if plane.name != f"/device:GPU:{device_index}":
-      continue
-    for line in plane.lines:
-      if not line.name.startswith("Stream") and line.name != "XLA Modules":
-        others.add(line.name)
-      if line.name.startswith("Stream"):
-        for e in line.events:
-          kernels.append((e.start_ns, e.start_ns + e.duration_ns, e.name))
-      elif line.name == "XLA Modules":
-        for e in line.events:
-          # 'jit_train_step_microbatch(1234)' -> 'jit_train_step_microbatch'
-          modules.append((e.start_ns, e.start_ns + e.duration_ns, re.sub(r"\(\d+\)$", "", e.name)))
+  plane = trace_times.gpu_plane(logdir, device_index)
+  for line in plane.lines if plane is not None else ():
+    if not line.name.startswith("Stream") and line.name != "XLA Modules":
+      others.add(line.name)
+    if line.name.startswith("Stream"):
+      for e in line.events:
+        kernels.append((e.start_ns, e.start_ns + e.duration_ns, e.name))
+    elif line.name == "XLA Modules":
+      for e in line.events:
+        # 'jit_train_step_microbatch(1234)' -> 'jit_train_step_microbatch'
+        modules.append((e.start_ns, e.start_ns + e.duration_ns, re.sub(r"\(\d+\)$", "", e.name)))
   kernels.sort()
   modules.sort()
   return kernels, modules, sorted(others)

@@ -20,19 +20,27 @@ def _newest_planes(logdir: str):
   return ProfileData.from_file(sorted(paths)[-1]).planes
 
 
-def device_line_times(logdir: str, device_index: int = 0):
-  """{line name: Counter(event name -> total ns)} of the plane '/device:GPU:<device_index>' in the
-  newest trace under `logdir`; None when the trace has no such plane (on CPU ops run on host
-  threads). Raises FileNotFoundError when `logdir` holds no trace."""
+def gpu_plane(logdir: str, device_index: int = 0):
+  """The plane '/device:GPU:<device_index>' of the newest trace under `logdir`, or None when the
+  trace has none (on CPU ops run on host threads). Raises FileNotFoundError when `logdir` holds
+  no trace."""
   for plane in _newest_planes(logdir):
     if plane.name == f"/device:GPU:{device_index}":
-      lines = {}
-      for line in plane.lines:
-        times = lines.setdefault(line.name, collections.Counter())
-        for event in line.events:
-          times[event.name] += event.duration_ns
-      return lines
+      return plane
   return None
+
+
+def device_line_times(logdir: str, device_index: int = 0):
+  """{line name: Counter(event name -> total ns)} of `gpu_plane`; None without one."""
+  plane = gpu_plane(logdir, device_index)
+  if plane is None:
+    return None
+  lines = {}
+  for line in plane.lines:
+    times = lines.setdefault(line.name, collections.Counter())
+    for event in line.events:
+      times[event.name] += event.duration_ns
+  return lines
 
 
 def stream_kernel_times(lines) -> collections.Counter:
@@ -83,19 +91,17 @@ def stream_hlo_op_times(logdir: str, device_index: int = 0,
   no kernel of the trace carries an 'hlo_module' stat, all are counted."""
   total, kept = collections.Counter(), collections.Counter()
   tagged = False
-  for plane in _newest_planes(logdir):
-    if plane.name != f"/device:GPU:{device_index}":
-      continue
-    for line in plane.lines:
-      if line.name.startswith("Stream"):
-        for event in line.events:
-          op = _stat(event, "hlo_op")
-          use_op = op and not str(op).startswith("command_buffer")
-          key = str(op) if use_op else event.name
-          total[key] += event.duration_ns
-          if module is not None:
-            owner = _stat(event, "hlo_module")
-            tagged |= owner is not None
-            if owner is not None and str(owner) == module:
-              kept[key] += event.duration_ns
+  plane = gpu_plane(logdir, device_index)
+  for line in plane.lines if plane is not None else ():
+    if line.name.startswith("Stream"):
+      for event in line.events:
+        op = _stat(event, "hlo_op")
+        use_op = op and not str(op).startswith("command_buffer")
+        key = str(op) if use_op else event.name
+        total[key] += event.duration_ns
+        if module is not None:
+          owner = _stat(event, "hlo_module")
+          tagged |= owner is not None
+          if owner is not None and str(owner) == module:
+            kept[key] += event.duration_ns
   return kept if module is not None and tagged else total
