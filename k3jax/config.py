@@ -35,7 +35,8 @@ KDA_BACKENDS = ("auto", "xla", "pallas")
 # The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
 # k3jax.ops.kernel_choice.
 KERNEL_CHOICES = ("auto", "xla", "pallas")
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas",
+                   "tokamax_mosaic_bwd")
 REMAT_POLICIES = ("none", "full", "dots")
 PRECOMPILE_MODES = ("auto", "on", "off")
 MICROBATCH_LOOPS = ("scan", "host")

@@ -318,7 +318,7 @@ def init_variables(cfg: ModelConfig, rng: jax.Array, batch_size: int = 1, seq_le
   model = K3Model(cfg)
   tokens = jax.ShapeDtypeStruct((batch_size, seq_len), jnp.int32)
   # Training rows carry segment ids; an attention_impl that requires them ('tokamax_pallas_bwd',
-  # 'pallas') must see them when the forward pass is traced here too.
+  # 'tokamax_mosaic_bwd', 'pallas') must see them when the forward pass is traced here too.
   segment_ids = None if decode else tokens
   collections = ["params", "moe_state"] + (["cache"] if decode else [])
   return dict(model.lazy_init(rng, tokens, segment_ids, decode=decode, mutable=collections))

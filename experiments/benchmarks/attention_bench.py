@@ -12,6 +12,8 @@ MLA's head dims (H 6, q/k 192, v 128), bf16, B 1 (--batch), causal within docume
   tokamax_pallas_bwd  the same forward, pallas_kernels.flash_attention's backward (skips blocks
                       outside the documents); one row per --pallas-configs entry.
   pallas              pallas_kernels.flash_attention forward and backward; one row per entry.
+  tokamax_mosaic_bwd  tokamax's forward, pallas_kernels.flash_attention's Mosaic GPU backward (the
+                      same block skipping, wgmma tiles); one row per --mosaic-configs entry.
   cudnn_packed        cuDNN's packed (THD) layout, one sequence per document (max_documents 16).
   xla                 k3jax's blockwise XLA path (only up to --xla-max-t tokens).
 
@@ -47,10 +49,13 @@ import numpy as np  # noqa: E402
 
 from k3jax.ops import attention_gpu  # noqa: E402
 from k3jax.ops.attention import attention  # noqa: E402
-from pallas_kernels.flash_attention import FlashConfig  # noqa: E402
+from pallas_kernels.flash_attention import FlashConfig, MosaicBwdConfig  # noqa: E402
 
 VARIANTS = ("dense_mask_cudnn", "cudnn_causal", "tokamax", "tokamax_vjp", "tokamax_pallas_bwd",
-            "pallas", "cudnn_packed", "xla")
+            "pallas", "tokamax_mosaic_bwd", "cudnn_packed", "xla")
+# block_q_dq, block_k_dq, block_q_dkv, block_k_dkv, num_stages, compute_wgs[, smem]: the Mosaic GPU
+# backward's tiles; a trailing ',smem' stages P and dS through shared memory (the interpreter's way).
+MOSAIC_CONFIGS = ("64,64,64,64,2,2",)
 # tokamax's sm90 backward tiles (block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_stages,
 # compute_wgs): its heuristic is 64,64,64,64,2,2; these are its autotuning set's corners.
 TOKAMAX_VJP_CONFIGS = ("64,128,64,128,2,2", "128,64,128,64,2,2", "64,128,128,64,2,2",
@@ -73,6 +78,13 @@ def flash_config(spec: str, interpret: bool) -> FlashConfig:
   launch = (warps, stages)
   return FlashConfig(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
                      fwd_launch=launch, dq_launch=launch, dkv_launch=launch, interpret=interpret)
+
+
+def mosaic_config(spec: str, interpret: bool) -> MosaicBwdConfig:
+  fields = spec.split(",")
+  names = ("block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv", "num_stages", "compute_wgs")
+  return MosaicBwdConfig(**dict(zip(names, (int(x) for x in fields[:6]))),
+                         register_operands=fields[6:] != ["smem"], interpret=interpret)
 
 
 def segments(t: int, n_docs: int, pad: int, seed: int = 0, batch: int = 1) -> np.ndarray:
@@ -166,6 +178,12 @@ def variant_fns(name: str, seg, scale: float, args) -> list[tuple[str, object]]:
               q, k, v, seg, scale=scale, causal=True, forward=forward, config=cfg),
           cfg=cfg, forward=forward)))
     return out
+  if name == "tokamax_mosaic_bwd":
+    return [(f"{name}[{spec}]", functools.partial(
+        lambda q, k, v, cfg: attention_gpu.pallas_attention(
+            q, k, v, seg, scale=scale, causal=True, forward="tokamax", mosaic_backward=cfg),
+        cfg=mosaic_config(spec, interpret=args.smoke)))
+        for spec in args.mosaic_configs.split(";")]
   if name == "cudnn_packed":
     return [(name, lambda q, k, v: cudnn_packed_attention(
         q, k, v, seg, scale=scale, causal=True, max_documents=args.max_documents))]
@@ -297,6 +315,8 @@ def main():
   p.add_argument("--v-dim", type=int, default=128)
   p.add_argument("--pallas-configs", default=";".join(PALLAS_CONFIGS),
                  help="';'-separated block_q,block_k,block_q_dkv,block_k_dkv,warps,stages")
+  p.add_argument("--mosaic-configs", default=";".join(MOSAIC_CONFIGS),
+                 help="';'-separated block_q_dq,block_k_dq,block_q_dkv,block_k_dkv,stages,wgs[,smem]")
   p.add_argument("--max-documents", type=int, default=16, help="cudnn_packed's static bound")
   p.add_argument("--xla-max-t", type=int, default=8192)
   p.add_argument("--reps", type=int, default=20)

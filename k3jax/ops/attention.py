@@ -20,14 +20,17 @@ Implementations:
   'tokamax'             tokamax Mosaic GPU (sm90+) forward, its stock backward.
   'tokamax_pallas_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention` backward.
   'pallas'              `pallas_kernels.flash_attention` forward and backward (Triton).
+  'tokamax_mosaic_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention`'s Mosaic GPU
+                        (wgmma) backward, sm90+.
   'auto'                on an NVIDIA GPU with bf16/fp16 self-attention: 'cudnn' without segment
                         ids; with them on sm90+, 'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row
-                        and 'tokamax_pallas_bwd' above; 'xla' otherwise (CPU, positions, fp32).
+                        and 'tokamax_mosaic_bwd' above; 'xla' otherwise (CPU, positions, fp32).
 Measured on an H200 at MLA's head dims (RESULTS.md, runs 9 and 16), forward+backward ms: T = 8192
 with one document, tokamax 1.52, tokamax + Pallas backward 2.09; 4 rows of 8192 with three
 documents each, tokamax 4.61, tokamax + Pallas backward 3.73; T = 65536 with 8 documents, tokamax 62.7
 (its backward pays a whole causal pass), tokamax + Pallas backward 18.6 (the previous dense-mask
-cuDNN path: 438).
+cuDNN path: 438). The Mosaic GPU backward (run 31, 12 heads): 5.48 ms against the Triton one's 6.22
+at 4 rows of 8192 with three documents each; medium.gin's 1M-token step 10591.6 against 10788.2 ms.
 """
 
 from __future__ import annotations
@@ -41,14 +44,17 @@ import jax.numpy as jnp
 from k3jax import sharding
 from k3jax.ops import attention_gpu
 from k3jax.ops.attention_blockwise import blockwise_attention, blockwise_max_logits
+from pallas_kernels.flash_attention import MosaicBwdConfig
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas")
+IMPLEMENTATIONS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas",
+                   "tokamax_mosaic_bwd")
 
 # XLA path: tokens per query / key block. A block step holds B·H·Q_BLOCK·KV_BLOCK fp32 logits.
 DEFAULT_Q_BLOCK = 512
 DEFAULT_KV_BLOCK = 512
 # 'auto' on packed rows: tokamax's stock backward up to this row length (rows of about one document,
-# where its causal pass wastes little and runs faster), the block-skipping Pallas backward above.
+# where its causal pass wastes little and runs faster), the block-skipping Pallas backward above
+# (since run 31 its Mosaic GPU kernels; the Triton pair measured below).
 # At 8192-token rows of several documents the Pallas backward already wins (H200, B 4, H 6,
 # documents of 5218/1749/1225 tokens: 3.73 ms forward+backward against 4.61; a training step of
 # rows with 2.25 documents on average: small.gin −1.1 ms, medium.gin −6.4 ms), and loses only on
@@ -114,7 +120,7 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
     if has_segments:
       if _gpu_unusable_reason(q, v, (9, 0)) is not None:
         return "xla"
-      return "tokamax" if q.shape[1] <= AUTO_TOKAMAX_MAX_T else "tokamax_pallas_bwd"
+      return "tokamax" if q.shape[1] <= AUTO_TOKAMAX_MAX_T else "tokamax_mosaic_bwd"
     return "cudnn" if _gpu_unusable_reason(q, v, (8, 0)) is None else "xla"
   if has_positions:
     raise ValueError(f"implementation={implementation!r} takes no q_positions/kv_positions "
@@ -123,7 +129,7 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
     raise ValueError("implementation='cudnn' runs rows without segment ids only: cuDNN's packed "
                      "layout gave wrong outputs on an H200 (RESULTS.md, run 9); use "
                      "'tokamax_pallas_bwd', 'tokamax' or 'auto' for packed rows")
-  if implementation in ("tokamax_pallas_bwd", "pallas") and not has_segments:
+  if implementation in ("tokamax_pallas_bwd", "pallas", "tokamax_mosaic_bwd") and not has_segments:
     raise ValueError(f"implementation={implementation!r} needs segment ids; rows without them "
                      "run on 'cudnn', 'tokamax' or 'xla'")
   min_cc = (8, 0) if implementation == "cudnn" else (9, 0)
@@ -216,7 +222,9 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       kernel = attention_gpu.tokamax_attention
     else:
       kernel = functools.partial(attention_gpu.pallas_attention,
-                                 forward="tokamax" if impl == "tokamax_pallas_bwd" else "pallas")
+                                 forward="pallas" if impl == "pallas" else "tokamax")
+      if impl == "tokamax_mosaic_bwd":
+        kernel = functools.partial(kernel, mosaic_backward=MosaicBwdConfig())
     # The kernels are opaque custom calls that XLA cannot split along a sharded batch (it would
     # gather every row onto every device): each device runs them on its own rows.
     out = sharding.map_over_batch_shards(

@@ -31,7 +31,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention import FlashConfig, flash_attention
+from pallas_kernels.flash_attention import FlashConfig, MosaicBwdConfig, flash_attention
 
 
 def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -137,11 +137,13 @@ def default_flash_config(interpret: bool = False) -> FlashConfig:
 
 
 def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
-                     forward: str, config: Optional[FlashConfig] = None) -> jax.Array:
+                     forward: str, config: Optional[FlashConfig] = None,
+                     mosaic_backward: Optional[MosaicBwdConfig] = None) -> jax.Array:
   """Document attention with `pallas_kernels.flash_attention`'s block-skipping backward.
 
   forward: 'tokamax' (Mosaic GPU forward, its residuals) or 'pallas' (our Triton forward).
-  Shapes as `tokamax_attention`; segment_ids required.
+  mosaic_backward: None for the Triton backward (`config`'s tiles), or the Mosaic GPU backward's
+  tiles (sm90). Shapes as `tokamax_attention`; segment_ids required.
   """
   if forward not in ("tokamax", "pallas"):
     raise ValueError(f"forward must be 'tokamax' or 'pallas', got {forward!r}")
@@ -152,7 +154,7 @@ def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: b
     # Segment ids reach the forward as its aux array: a partial over them would leak a tracer.
     fwd = functools.partial(_tokamax_forward_lse, scale=scale, causal=causal)
   out = flash_attention(q, k, v, k_lo, k_hi, q_lo, q_hi, scale=scale, config=config,
-                        forward=fwd, forward_aux=segment_ids)
+                        forward=fwd, forward_aux=segment_ids, mosaic_backward=mosaic_backward)
   return _zero_padding(out, segment_ids)
 
 

@@ -2,19 +2,22 @@
 
 The forward is this package's kernel or a caller's (`forward`, e.g. tokamax's Mosaic GPU kernel,
 which returns the same log-sum-exp); the backward is always this package's dq and dk/dv kernels,
-which skip the blocks outside the ranges (see `kernels.py`). `reference_attention` is the dense
+which skip the blocks outside the ranges: Triton's (`kernels.py`) or, given a `MosaicBwdConfig`,
+Mosaic GPU's (`mosaic_bwd.py`, sm90). `reference_attention` is the dense
 definition for tests, small shapes only.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.flash_attention import kernels as fk
+from pallas_kernels.flash_attention import mosaic_bwd as mb
 
 # forward(q, k, v, aux) -> (out [B, T, H, Dv] in q.dtype, lse [B, H, T] fp32, +inf where nothing is
 # seen). `aux` is `flash_attention`'s forward_aux, an array argument of the custom VJP: arrays the
@@ -57,9 +60,9 @@ def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg):
   return q, k, v, k_lo, k_hi, q_lo, q_hi
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward):
-  return _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward, mosaic):
+  return _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward, mosaic)[0]
 
 
 def _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg):
@@ -69,7 +72,8 @@ def _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg):
   return out[:, :t, :, :dv], lse[:, :, :t]
 
 
-def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward):
+def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward, mosaic):
+  del mosaic
   if forward is None:
     out, lse = _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg)
   else:
@@ -77,7 +81,22 @@ def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward):
   return out, (q, k, v, k_lo, k_hi, q_lo, q_hi, out, lse)
 
 
-def _attention_bwd(scale, cfg, forward, res, dout):
+def _mosaic_bwd(q, k, v, k_lo, k_hi, q_lo, q_hi, dout, lse, delta, scale, mosaic):
+  t, s = q.shape[1], k.shape[1]
+  d, dv = q.shape[-1], v.shape[-1]
+  # Whole tiles along T and S; head dims a multiple of 64 (one 128-byte swizzle row of bf16).
+  tp = _round_up(t, math.lcm(mosaic.tile_q, mosaic.block_q_dkv))
+  sp = _round_up(s, math.lcm(mosaic.tile_k, mosaic.block_k_dq))
+  pad = lambda x, length, dim: _pad(_pad(x, 1, length), 3, _round_up(dim, 64))
+  dq, dk, dv_ = mb.mosaic_flash_bwd(
+      pad(q, tp, d), pad(k, sp, d), pad(v, sp, dv), pad(dout.astype(v.dtype), tp, dv),
+      _pad(lse, 2, tp, jnp.inf), _pad(delta, 2, tp),
+      _pad(k_lo, 1, tp, sp), _pad(k_hi, 1, tp, 0), _pad(q_lo, 1, sp, tp), _pad(q_hi, 1, sp, 0),
+      scale=scale, cfg=mosaic)
+  return dq[:, :t, :, :d], dk[:, :s, :, :d], dv_[:, :s, :, :dv]
+
+
+def _attention_bwd(scale, cfg, forward, mosaic, res, dout):
   del forward
   q, k, v, k_lo, k_hi, q_lo, q_hi, out, lse = res
   t, s = q.shape[1], k.shape[1]
@@ -85,6 +104,9 @@ def _attention_bwd(scale, cfg, forward, res, dout):
   tp, _ = _padded_lengths(t, s, cfg)
   # delta_t = o_t . do_t, the softmax backward's row term, [B, H, T] fp32.
   delta = jnp.einsum("bthv,bthv->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
+  if mosaic is not None:
+    return (*_mosaic_bwd(q, k, v, k_lo, k_hi, q_lo, q_hi, dout, lse, delta, scale, mosaic),
+            None, None, None, None, None)
   qp, kp, vp, klo, khi, qlo, qhi = _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg)
   dop = _pad(_pad(dout.astype(v.dtype), 1, tp), 3, vp.shape[-1])
   lse = _pad(lse, 2, tp, jnp.inf)
@@ -101,7 +123,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
                     q_lo: jax.Array, q_hi: jax.Array, *, scale: float,
                     config: fk.FlashConfig = fk.FlashConfig(),
                     forward: Optional[ForwardFn] = None,
-                    forward_aux: Optional[jax.Array] = None) -> jax.Array:
+                    forward_aux: Optional[jax.Array] = None,
+                    mosaic_backward: Optional[mb.MosaicBwdConfig] = None) -> jax.Array:
   """Attention where query t sees keys [k_lo[t], k_hi[t]); differentiable in q, k, v.
 
   Args:
@@ -116,6 +139,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
       lse [B, H, T] fp32) computing the same attention, e.g. tokamax's Mosaic GPU kernel. It must
       be free of traced values (a module-level function, or a partial over Python constants).
     forward_aux: the array `forward` reads besides q, k, v (e.g. segment ids); not differentiated.
+    mosaic_backward: None (the Triton backward, `config`'s tiles) or the Mosaic GPU backward's
+      tiles (sm90 GPUs, or its interpreter).
 
   Returns:
     [B, T, H, Dv] in q.dtype.
@@ -131,7 +156,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
     if x.shape != (b, n) or x.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32 [{b}, {n}], got {x.dtype} {x.shape}")
   aux = jnp.zeros((0,), jnp.int32) if forward_aux is None else forward_aux
-  return _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, float(scale), config, forward)
+  return _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, float(scale), config, forward,
+                    mosaic_backward)
 
 
 def reference_attention(q, k, v, k_lo, k_hi, *, scale: float) -> jax.Array:

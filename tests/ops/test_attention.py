@@ -266,13 +266,14 @@ def test_dispatch_on_cpu():
   np.testing.assert_allclose(np.asarray(auto), np.asarray(dense_attention(q, k, v, seg)),
                              atol=1e-5)
   if jax.default_backend() != "gpu":
-    for impl in ("tokamax", "tokamax_pallas_bwd", "pallas"):
+    for impl in ("tokamax", "tokamax_pallas_bwd", "pallas", "tokamax_mosaic_bwd"):
       with pytest.raises(ValueError, match="not usable"):
         attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl)
   with pytest.raises(ValueError, match="rows without segment ids only"):
     attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation="cudnn")
-  with pytest.raises(ValueError, match="needs segment ids"):
-    attention(q, k, v, implementation="pallas")
+  for impl in ("pallas", "tokamax_mosaic_bwd"):
+    with pytest.raises(ValueError, match="needs segment ids"):
+      attention(q, k, v, implementation=impl)
   with pytest.raises(ValueError, match="takes no q_positions"):
     attention(q, k, v, q_positions=np.arange(16), kv_positions=np.arange(16),
               implementation="tokamax")
