@@ -12,8 +12,9 @@ MLA's head dims (H 6, q/k 192, v 128), bf16, B 1 (--batch), causal within docume
   tokamax_pallas_bwd  the same forward, pallas_kernels.flash_attention's backward (skips blocks
                       outside the documents); one row per --pallas-configs entry.
   pallas              pallas_kernels.flash_attention forward and backward; one row per entry.
-  tokamax_mosaic_bwd  tokamax's forward, pallas_kernels.flash_attention's Mosaic GPU backward (the
-                      same block skipping, wgmma tiles); one row per --mosaic-configs entry.
+  tokamax_mosaic_bwd  tokamax's forward, pallas_kernels.flash_attention's Mosaic GPU dq kernel (the
+                      same block skipping, wgmma tiles) and its Triton dk/dv kernel (or the Mosaic
+                      one); one row per --mosaic-configs entry.
   cudnn_packed        cuDNN's packed (THD) layout, one sequence per document (max_documents 16).
   xla                 k3jax's blockwise XLA path (only up to --xla-max-t tokens).
 
@@ -53,8 +54,8 @@ from pallas_kernels.flash_attention import FlashConfig, MosaicBwdConfig  # noqa:
 
 VARIANTS = ("dense_mask_cudnn", "cudnn_causal", "tokamax", "tokamax_vjp", "tokamax_pallas_bwd",
             "pallas", "tokamax_mosaic_bwd", "cudnn_packed", "xla")
-# block_q_dq, block_k_dq, block_q_dkv, block_k_dkv, num_stages, compute_wgs[, smem]: the Mosaic GPU
-# backward's tiles; a trailing ',smem' stages P and dS through shared memory (the interpreter's way).
+# block_q_dq, block_k_dq, block_q_dkv, block_k_dkv, num_stages, compute_wgs[, flags]: the Mosaic GPU
+# backward's tiles (flags: `mosaic_config`).
 MOSAIC_CONFIGS = ("64,64,64,64,2,2",)
 # tokamax's sm90 backward tiles (block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_stages,
 # compute_wgs): its heuristic is 64,64,64,64,2,2; these are its autotuning set's corners.
@@ -81,10 +82,16 @@ def flash_config(spec: str, interpret: bool) -> FlashConfig:
 
 
 def mosaic_config(spec: str, interpret: bool) -> MosaicBwdConfig:
+  """'bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,dkv][,smem]' -> MosaicBwdConfig: 'dkv' runs the dk/dv
+  kernel on Mosaic GPU too (default: Triton's), 'smem' stages P and dS through shared memory."""
   fields = spec.split(",")
   names = ("block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv", "num_stages", "compute_wgs")
+  flags = set(fields[6:])
+  if flags - {"dkv", "smem"}:
+    raise ValueError(f"unknown --mosaic-configs flags {sorted(flags)}: dkv, smem")
   return MosaicBwdConfig(**dict(zip(names, (int(x) for x in fields[:6]))),
-                         register_operands=fields[6:] != ["smem"], interpret=interpret)
+                         kernels=("dq", "dkv") if "dkv" in flags else ("dq",),
+                         register_operands="smem" not in flags, interpret=interpret)
 
 
 def segments(t: int, n_docs: int, pad: int, seed: int = 0, batch: int = 1) -> np.ndarray:

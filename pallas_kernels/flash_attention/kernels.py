@@ -228,14 +228,13 @@ def flash_fwd(q, k, v, k_lo, k_hi, *, scale: float, cfg: FlashConfig):
   )(q, k, v, k_lo, k_hi)
 
 
-def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float,
-              cfg: FlashConfig):
-  """Padded inputs (module docstring) -> dq, dk, dv in the input dtypes."""
+def flash_bwd_dq(q, k, v, dout, lse, delta, k_lo, k_hi, *, scale: float, cfg: FlashConfig):
+  """Padded inputs (module docstring) -> dq [B, T, H, D] in q.dtype."""
   b, t, h, d = q.shape
   s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   g = h // hk
   bq, bk = cfg.block_q, cfg.block_k
-  dq = pl.pallas_call(
+  return pl.pallas_call(
       functools.partial(_dq_kernel, scale, bk, head_pieces(d)),
       grid=(b, h, t // bq),
       in_specs=[
@@ -253,8 +252,16 @@ def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float
       interpret=cfg.interpret, name="flash_ranges_dq", **_params(cfg, cfg.dq_launch),
   )(q, k, v, dout, lse, delta, k_lo, k_hi)
 
+
+def flash_bwd_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float,
+                  cfg: FlashConfig):
+  """Padded inputs (module docstring) -> dk [B, S, Hk, D], dv [B, S, Hk, Dv] in k's / v's dtype."""
+  b, t, h, d = q.shape
+  s, hk = k.shape[1], k.shape[2]
+  g = h // hk
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
-  dk, dv_ = pl.pallas_call(
+  dv = v.shape[-1]
+  return pl.pallas_call(
       functools.partial(_dkv_kernel, scale, bq, g, head_pieces(d)),
       grid=(b, hk, s // bk),
       in_specs=[
@@ -274,4 +281,3 @@ def flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float
       out_shape=[jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)],
       interpret=cfg.interpret, name="flash_ranges_dkv", **_params(cfg, cfg.dkv_launch),
   )(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi)
-  return dq, dk, dv_

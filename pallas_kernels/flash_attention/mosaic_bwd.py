@@ -57,6 +57,11 @@ class MosaicBwdConfig:
     compute_wgs: compute warpgroups per program (a program's tile is compute_wgs blocks).
     register_operands: P and dS enter their matmuls from registers (False: through shared memory,
       what the interpreter supports; slower on a GPU).
+    kernels: which of the backward's two kernels run here, 'dq' and / or 'dkv'; the other runs as
+      the Triton kernel (`kernels.py`, with `flash_attention`'s FlashConfig tiles). The default is
+      the faster pair on the H200 (RESULTS.md, run 31): this dq kernel (1.2 ms against Triton's
+      2.2 at 4 × 8192 tokens, 12 heads) and Triton's dk/dv (2.9 against 3.2-3.6 here, whose
+      [64 keys, 192] dK and [64, 128] dV accumulators leave a warpgroup few registers).
     interpret: run in Mosaic GPU's interpreter on the CPU (tests).
   """
   block_q_dq: int = 64
@@ -65,14 +70,21 @@ class MosaicBwdConfig:
   block_k_dkv: int = 64
   num_stages: int = 2
   compute_wgs: int = 2
+  kernels: tuple = ("dq",)
   register_operands: bool = True
   interpret: bool = False
 
   def __post_init__(self):
+    # A warpgroup's matmuls are 64 rows (its queries in dq, its keys in dk/dv) tall, and the
+    # other side's block is the contraction of dQ += dS K and dV += Pᵀ dO: whole 128-byte
+    # swizzle groups of bf16, 64 (32-row blocks fail to lower: "K must be a multiple of 64").
     for name in ("block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv"):
       value = getattr(self, name)
       if value <= 0 or value % 64:
         raise ValueError(f"MosaicBwdConfig.{name} must be a positive multiple of 64, got {value}")
+    if not self.kernels or set(self.kernels) - {"dq", "dkv"}:
+      raise ValueError(f"MosaicBwdConfig.kernels must name 'dq' and / or 'dkv', got "
+                       f"{self.kernels!r}")
     for name in ("num_stages", "compute_wgs"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicBwdConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -327,47 +339,57 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
   )(q_rows, do_rows, lse_gmem.at[bi], delta_gmem.at[bi])
 
 
-def _interpret_params(cfg: MosaicBwdConfig):
-  return plgpu.InterpretGPUParams() if cfg.interpret else None
-
-
-def mosaic_flash_bwd(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float,
-                     cfg: MosaicBwdConfig):
-  """Padded inputs (module docstring) -> dq [B, T, H, D], dk [B, S, Hk, D], dv [B, S, Hk, Dv]."""
-  b, t, h, d = q.shape
-  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
-  groups = h // hk
+def _check_padded(q, k, v, cfg: MosaicBwdConfig):
+  t, d, s, dv = q.shape[1], q.shape[-1], k.shape[1], v.shape[-1]
   if t % cfg.tile_q or t % cfg.block_q_dkv or s % cfg.tile_k or s % cfg.block_k_dq:
     raise ValueError(f"T={t} and S={s} must be multiples of the tiles of {cfg}")
   if d % 64 or dv % 64:
     raise ValueError(f"head dims must be multiples of 64, got D={d}, Dv={dv}")
-  wgs = cfg.compute_wgs
-  params = dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-                num_threads=wgs + 1, thread_name="wg", interpret=_interpret_params(cfg))
 
+
+def _launch(cfg: MosaicBwdConfig) -> dict:
+  return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
+              num_threads=cfg.compute_wgs + 1, thread_name="wg",
+              interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
+
+
+def mosaic_flash_dq(q, k, v, dout, lse, delta, k_lo, k_hi, *, scale: float,
+                    cfg: MosaicBwdConfig):
+  """Padded inputs (module docstring) -> dq [B, T, H, D] in q.dtype."""
+  _check_padded(q, k, v, cfg)
+  b, t, h, d = q.shape
+  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  wgs = cfg.compute_wgs
   first, last = _block_spans(k_lo, k_hi, cfg.tile_q, cfg.block_k_dq, s // cfg.block_k_dq)
   inner_lo, inner_hi = _block_ranges(k_lo, k_hi, cfg.block_q_dq)
   bq, bk = cfg.block_q_dq, cfg.block_k_dq
   ds_scratch = None if cfg.register_operands else _smem((wgs, bq, bk), q.dtype)
-  dq = plgpu.kernel(
-      functools.partial(_dq_kernel, cfg=cfg, scale=scale, groups=groups),
+  return plgpu.kernel(
+      functools.partial(_dq_kernel, cfg=cfg, scale=scale, groups=h // hk),
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=[_smem((wgs, bq, d), q.dtype), _smem((wgs, bq, dv), dout.dtype), ds_scratch,
                      plgpu.Barrier(num_barriers=wgs, num_arrivals=2)],
       grid=(b, h, t // cfg.tile_q), grid_names=("batch", "heads", "tiles"),
-      kernel_name="flash_ranges_dq_mosaic", **params,
+      kernel_name="flash_ranges_dq_mosaic", **_launch(cfg),
   )(q, k, v, dout, lse, delta, k_lo, k_hi, first, last, inner_lo, inner_hi)
 
+
+def mosaic_flash_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float,
+                     cfg: MosaicBwdConfig):
+  """Padded inputs (module docstring) -> dk [B, S, Hk, D], dv [B, S, Hk, Dv] in k's dtype."""
+  _check_padded(q, k, v, cfg)
+  b, t, h, d = q.shape
+  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  wgs = cfg.compute_wgs
   first, last = _block_spans(q_lo, q_hi, cfg.tile_k, cfg.block_q_dkv, t // cfg.block_q_dkv)
   inner_lo, inner_hi = _block_ranges(k_lo, k_hi, cfg.block_q_dkv)
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   p_scratch = None if cfg.register_operands else _smem((wgs, bk, bq), q.dtype)
-  dk, dv_ = plgpu.kernel(
-      functools.partial(_dkv_kernel, cfg=cfg, scale=scale, groups=groups),
+  return plgpu.kernel(
+      functools.partial(_dkv_kernel, cfg=cfg, scale=scale, groups=h // hk),
       out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
       scratch_types=[_smem((wgs, bk, d), k.dtype), _smem((wgs, bk, dv), v.dtype), p_scratch,
                      plgpu.Barrier(num_barriers=wgs, num_arrivals=2)],
       grid=(b, hk, s // cfg.tile_k), grid_names=("batch", "heads", "tiles"),
-      kernel_name="flash_ranges_dkv_mosaic", **params,
+      kernel_name="flash_ranges_dkv_mosaic", **_launch(cfg),
   )(q, k, v, dout, lse, delta, k_lo, k_hi, first, last, inner_lo, inner_hi)
-  return dq, dk, dv_

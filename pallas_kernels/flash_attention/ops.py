@@ -41,16 +41,22 @@ def _pad(x, axis: int, length: int, value=0):
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _padded_lengths(t: int, s: int, cfg: fk.FlashConfig) -> tuple[int, int]:
-  return (_round_up(t, max(cfg.block_q, cfg.block_q_dkv)),
-          _round_up(s, max(cfg.block_k, cfg.block_k_dkv)))
+def _padded_shape(t: int, s: int, d: int, dv: int, cfg: fk.FlashConfig,
+                  mosaic: Optional[mb.MosaicBwdConfig] = None) -> tuple[int, int, int, int]:
+  """T, S, D, Dv padded for the Triton kernels' tiles and, given `mosaic`, the Mosaic ones'."""
+  tq, tk = max(cfg.block_q, cfg.block_q_dkv), max(cfg.block_k, cfg.block_k_dkv)
+  # q/k: a multiple of 16, read in power-of-two pieces by the Triton kernels; v: one power-of-two
+  # tile. The Mosaic kernels want whole 128-byte swizzle rows (64 bf16) as well.
+  dp, dvp = _round_up(d, 16), _pow2(dv)
+  if mosaic is not None:
+    tq = math.lcm(tq, mosaic.tile_q, mosaic.block_q_dkv)
+    tk = math.lcm(tk, mosaic.tile_k, mosaic.block_k_dq)
+    dp, dvp = _round_up(d, 64), max(64, dvp)
+  return _round_up(t, tq), _round_up(s, tk), dp, dvp
 
 
-def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg):
-  t, s = q.shape[1], k.shape[1]
-  tp, sp = _padded_lengths(t, s, cfg)
-  # q/k: a multiple of 16, read in power-of-two pieces by the kernels; v: one power-of-two tile.
-  dp, dvp = _round_up(q.shape[-1], 16), _pow2(v.shape[-1])
+def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg, mosaic=None):
+  tp, sp, dp, dvp = _padded_shape(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], cfg, mosaic)
   q = _pad(_pad(q, 1, tp), 3, dp)
   k = _pad(_pad(k, 1, sp), 3, dp)
   v = _pad(_pad(v, 1, sp), 3, dvp)
@@ -81,38 +87,29 @@ def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward, mo
   return out, (q, k, v, k_lo, k_hi, q_lo, q_hi, out, lse)
 
 
-def _mosaic_bwd(q, k, v, k_lo, k_hi, q_lo, q_hi, dout, lse, delta, scale, mosaic):
-  t, s = q.shape[1], k.shape[1]
-  d, dv = q.shape[-1], v.shape[-1]
-  # Whole tiles along T and S; head dims a multiple of 64 (one 128-byte swizzle row of bf16).
-  tp = _round_up(t, math.lcm(mosaic.tile_q, mosaic.block_q_dkv))
-  sp = _round_up(s, math.lcm(mosaic.tile_k, mosaic.block_k_dq))
-  pad = lambda x, length, dim: _pad(_pad(x, 1, length), 3, _round_up(dim, 64))
-  dq, dk, dv_ = mb.mosaic_flash_bwd(
-      pad(q, tp, d), pad(k, sp, d), pad(v, sp, dv), pad(dout.astype(v.dtype), tp, dv),
-      _pad(lse, 2, tp, jnp.inf), _pad(delta, 2, tp),
-      _pad(k_lo, 1, tp, sp), _pad(k_hi, 1, tp, 0), _pad(q_lo, 1, sp, tp), _pad(q_hi, 1, sp, 0),
-      scale=scale, cfg=mosaic)
-  return dq[:, :t, :, :d], dk[:, :s, :, :d], dv_[:, :s, :, :dv]
-
-
 def _attention_bwd(scale, cfg, forward, mosaic, res, dout):
   del forward
   q, k, v, k_lo, k_hi, q_lo, q_hi, out, lse = res
   t, s = q.shape[1], k.shape[1]
   d, dv = q.shape[-1], v.shape[-1]
-  tp, _ = _padded_lengths(t, s, cfg)
   # delta_t = o_t . do_t, the softmax backward's row term, [B, H, T] fp32.
   delta = jnp.einsum("bthv,bthv->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
-  if mosaic is not None:
-    return (*_mosaic_bwd(q, k, v, k_lo, k_hi, q_lo, q_hi, dout, lse, delta, scale, mosaic),
-            None, None, None, None, None)
-  qp, kp, vp, klo, khi, qlo, qhi = _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg)
+  qp, kp, vp, klo, khi, qlo, qhi = _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg, mosaic)
+  tp = qp.shape[1]
   dop = _pad(_pad(dout.astype(v.dtype), 1, tp), 3, vp.shape[-1])
   lse = _pad(lse, 2, tp, jnp.inf)
   delta = _pad(delta, 2, tp)
-  dq, dk, dv_ = fk.flash_bwd(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
-                             cfg=cfg)
+  kernels = () if mosaic is None else mosaic.kernels
+  if "dq" in kernels:
+    dq = mb.mosaic_flash_dq(qp, kp, vp, dop, lse, delta, klo, khi, scale=scale, cfg=mosaic)
+  else:
+    dq = fk.flash_bwd_dq(qp, kp, vp, dop, lse, delta, klo, khi, scale=scale, cfg=cfg)
+  if "dkv" in kernels:
+    dk, dv_ = mb.mosaic_flash_dkv(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
+                                  cfg=mosaic)
+  else:
+    dk, dv_ = fk.flash_bwd_dkv(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
+                               cfg=cfg)
   return (dq[:, :t, :, :d], dk[:, :s, :, :d], dv_[:, :s, :, :dv], None, None, None, None, None)
 
 
@@ -139,8 +136,9 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
       lse [B, H, T] fp32) computing the same attention, e.g. tokamax's Mosaic GPU kernel. It must
       be free of traced values (a module-level function, or a partial over Python constants).
     forward_aux: the array `forward` reads besides q, k, v (e.g. segment ids); not differentiated.
-    mosaic_backward: None (the Triton backward, `config`'s tiles) or the Mosaic GPU backward's
-      tiles (sm90 GPUs, or its interpreter).
+    mosaic_backward: None (the Triton backward, `config`'s tiles), or the Mosaic GPU backward's
+      tiles and which of its kernels (dq, dk/dv) replace the Triton ones (sm90 GPUs, or its
+      interpreter).
 
   Returns:
     [B, T, H, Dv] in q.dtype.

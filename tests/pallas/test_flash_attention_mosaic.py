@@ -17,7 +17,8 @@ from pallas_kernels.flash_attention import (FlashConfig, MosaicBwdConfig, flash_
 from pallas_kernels.flash_attention import mosaic_bwd
 from testlib import error_ratio
 
-MOSAIC = MosaicBwdConfig(register_operands=False, interpret=True)
+# Both kernels here (the default runs only dq here and dk/dv as the Triton kernel).
+MOSAIC = MosaicBwdConfig(kernels=("dq", "dkv"), register_operands=False, interpret=True)
 TRITON = FlashConfig(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32, interpret=True)
 
 
@@ -42,15 +43,20 @@ def _reference_grads(q, k, v, do, seg, causal=True):
   return jax.vjp(ref, f32(q), f32(k), f32(v))[1](f32(do))
 
 
-@pytest.mark.parametrize("hk, causal", [(2, True), (1, False)])
-def test_matches_dense_reference(hk, causal):
+# The default split: dq from the Mosaic kernel (three stages here), dk/dv from the Triton one.
+MOSAIC_DQ = MosaicBwdConfig(num_stages=3, register_operands=False, interpret=True)
+
+
+@pytest.mark.parametrize("hk, causal, cfg", [(2, True, MOSAIC), (1, False, MOSAIC),
+                                             (2, True, MOSAIC_DQ)])
+def test_matches_dense_reference(hk, causal, cfg):
   """A packed row (documents of 100 and 120 tokens, 36 of padding; T = 256 is two dq tiles and
   two dk/dv tiles, four key and query blocks), MLA's head dims (q/k 192, v 128), bf16; GQA with
   two query heads on one key head. Within the bf16 error ratio of the Triton backward (≈ 0.003
   against the fp32 reference on the H200)."""
   seg = np.array([[1] * 100 + [2] * 120 + [0] * 36], np.int32)
   q, k, v, do = _inputs(1, 256, 2, hk, 192, 128)
-  got = _grads(q, k, v, do, seg, MOSAIC, causal)
+  got = _grads(q, k, v, do, seg, cfg, causal)
   for name, g, w in zip("qkv", got, _reference_grads(q, k, v, do, seg, causal)):
     assert g.dtype == jnp.bfloat16
     assert error_ratio(g.astype(jnp.float32), w) < 0.006, name
@@ -69,7 +75,7 @@ def test_unaligned_lengths_and_head_dims_are_padded():
 
 def test_skips_blocks_outside_the_documents():
   """NaN keys and values in the first document's blocks reach no gradient of the second
-  document: neither kernel's loop loads them for the second document's tiles."""
+  document: neither Mosaic kernel's loop loads them for the second document's tiles."""
   seg = np.array([[1] * 128 + [2] * 128], np.int32)
   q, k, v, do = _inputs(1, 256, 1, 1, 64, 64, seed=3)
   k_bad, v_bad = k.at[:, :64].set(jnp.nan), v.at[:, :64].set(jnp.nan)
@@ -101,7 +107,9 @@ def test_block_spans_cover_exactly_the_touched_blocks():
 
 
 def test_config_errors_name_the_field():
-  with pytest.raises(ValueError, match="block_k_dq must be a positive multiple of 64"):
-    MosaicBwdConfig(block_k_dq=32)
+  with pytest.raises(ValueError, match="block_q_dkv must be a positive multiple of 64"):
+    MosaicBwdConfig(block_q_dkv=32)
+  with pytest.raises(ValueError, match="kernels must name 'dq' and / or 'dkv'"):
+    MosaicBwdConfig(kernels=("dq", "dv"))
   with pytest.raises(ValueError, match="num_stages must be >= 1"):
     MosaicBwdConfig(num_stages=0)
