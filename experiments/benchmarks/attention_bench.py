@@ -12,9 +12,9 @@ MLA's head dims (H 6, q/k 192, v 128), bf16, B 1 (--batch), causal within docume
   tokamax_pallas_bwd  the same forward, pallas_kernels.flash_attention's backward (skips blocks
                       outside the documents); one row per --pallas-configs entry.
   pallas              pallas_kernels.flash_attention forward and backward; one row per entry.
-  tokamax_mosaic_bwd  tokamax's forward, pallas_kernels.flash_attention's Mosaic GPU dq kernel (the
-                      same block skipping, wgmma tiles) and its Triton dk/dv kernel (or the Mosaic
-                      one); one row per --mosaic-configs entry.
+  tokamax_mosaic_bwd  tokamax's forward, pallas_kernels.flash_attention's Mosaic GPU backward (the
+                      same block skipping, wgmma tiles; dk/dv in two kernels, one, or Triton's);
+                      one row per --mosaic-configs entry.
   cudnn_packed        cuDNN's packed (THD) layout, one sequence per document (max_documents 16).
   xla                 k3jax's blockwise XLA path (only up to --xla-max-t tokens).
 
@@ -82,15 +82,16 @@ def flash_config(spec: str, interpret: bool) -> FlashConfig:
 
 
 def mosaic_config(spec: str, interpret: bool) -> MosaicBwdConfig:
-  """'bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,dkv][,smem]' -> MosaicBwdConfig: 'dkv' runs the dk/dv
-  kernel on Mosaic GPU too (default: Triton's), 'smem' stages P and dS through shared memory."""
+  """'bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,mosaic|triton][,smem]' -> MosaicBwdConfig: 'mosaic' /
+  'triton' make dk/dv with one Mosaic kernel or the Triton one (`MosaicBwdConfig.dkv`; default
+  two Mosaic kernels), 'smem' stages P and dS through shared memory."""
   fields = spec.split(",")
   names = ("block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv", "num_stages", "compute_wgs")
   flags = set(fields[6:])
-  if flags - {"dkv", "smem"}:
-    raise ValueError(f"unknown --mosaic-configs flags {sorted(flags)}: dkv, smem")
-  return MosaicBwdConfig(**dict(zip(names, (int(x) for x in fields[:6]))),
-                         kernels=("dq", "dkv") if "dkv" in flags else ("dq",),
+  if flags - {"mosaic", "triton", "smem"}:
+    raise ValueError(f"unknown --mosaic-configs flags {sorted(flags)}: mosaic, triton, smem")
+  dkv = ([f for f in ("mosaic", "triton") if f in flags] or ["mosaic_split"])[0]
+  return MosaicBwdConfig(**dict(zip(names, (int(x) for x in fields[:6]))), dkv=dkv,
                          register_operands="smem" not in flags, interpret=interpret)
 
 

@@ -29,8 +29,8 @@ Measured on an H200 at MLA's head dims (RESULTS.md, runs 9 and 16), forward+back
 with one document, tokamax 1.52, tokamax + Pallas backward 2.09; 4 rows of 8192 with three
 documents each, tokamax 4.61, tokamax + Pallas backward 3.73; T = 65536 with 8 documents, tokamax 62.7
 (its backward pays a whole causal pass), tokamax + Pallas backward 18.6 (the previous dense-mask
-cuDNN path: 438). The Mosaic GPU backward (run 31, 12 heads): 5.48 ms against the Triton one's 6.22
-at 4 rows of 8192 with three documents each; medium.gin's 1M-token step 10591.6 against 10788.2 ms.
+cuDNN path: 438). With the Mosaic GPU backward (run 31, 12 heads, 4 rows of 8192 with three
+documents each): 4.97 ms against the Triton backward's 6.27; medium.gin's 1M-token step −2.7 %.
 """
 
 from __future__ import annotations

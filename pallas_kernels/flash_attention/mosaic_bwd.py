@@ -8,9 +8,11 @@ share one stream: in the dq kernel each takes `block_q_dq` of the tile's queries
 key blocks, in the dk/dv kernel each takes `block_k_dkv` of the tile's keys against the same query
 blocks.
 
-Both kernels recompute the logits (5 + 2 matmuls a block pair, as the Triton kernels):
-  dq kernel   S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K,  with dS = P ∘ (dP − δ), P = exp(S·scale − lse);
-  dk/dv kernel Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q.
+Every kernel recomputes the logits:
+  dq kernel    S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K,  with dS = P ∘ (dP − δ), P = exp(S·scale − lse);
+  dk/dv kernel Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q; or split in two (the default,
+               `MosaicBwdConfig.dkv`): a dV kernel (Sᵀ, dV) and a dK kernel (Sᵀ, dPᵀ, dK), one
+               accumulator per warpgroup instead of two.
 The element masks come from k_lo / k_hi and are applied only on block pairs that straddle a range
 edge (the per-block scalars `_BlockRanges` tell which); the loops' bounds come from per-tile block
 spans computed in XLA before the launch (`_block_spans`).
@@ -38,6 +40,7 @@ _LOG2E = math.log2(math.e)
 _ROWS = plgpu.Layout.WGMMA.reduce(1)   # a vector along a wgmma tile's rows
 _COLS = plgpu.Layout.WGMMA.reduce(0)   # ... along its columns
 _TILE_ROWS = 8
+DKV_KERNELS = ("triton", "mosaic", "mosaic_split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,10 +48,10 @@ class MosaicBwdConfig:
   """Tiles and launch of the Mosaic GPU backward.
 
   The defaults were measured on an H200 at MLA's head dims (q/k 192, v 128), 4 rows of 8192 tokens
-  with three documents, 12 heads (RESULTS.md, run 31): tokamax's forward + this backward 5.48 ms,
-  5.62 with P and dS through shared memory, 6.18 with three stages; the Triton backward 6.22.
-  64-row blocks keep a step's tiles of both kernels in shared memory at two stages (128-key blocks
-  in the dq kernel would need 240 KB of the 227).
+  with three documents, 12 heads (RESULTS.md, run 31): three stages were 1-2 % slower than two,
+  P and dS through shared memory 2.5 %. 64-row blocks keep a step's tiles in shared memory at two
+  stages (128-key blocks in the dq kernel would need 240 KB of the 227), and 32-row blocks do not
+  lower (the dQ and dV matmuls' contraction must be whole 64-element swizzle groups).
 
   Attributes:
     block_q_dq / block_k_dq: the dq kernel's queries per warpgroup and keys per step.
@@ -57,11 +60,13 @@ class MosaicBwdConfig:
     compute_wgs: compute warpgroups per program (a program's tile is compute_wgs blocks).
     register_operands: P and dS enter their matmuls from registers (False: through shared memory,
       what the interpreter supports; slower on a GPU).
-    kernels: which of the backward's two kernels run here, 'dq' and / or 'dkv'; the other runs as
-      the Triton kernel (`kernels.py`, with `flash_attention`'s FlashConfig tiles). The default is
-      the faster pair on the H200 (RESULTS.md, run 31): this dq kernel (1.2 ms against Triton's
-      2.2 at 4 × 8192 tokens, 12 heads) and Triton's dk/dv (2.9 against 3.2-3.6 here, whose
-      [64 keys, 192] dK and [64, 128] dV accumulators leave a warpgroup few registers).
+    dkv: how dK and dV are made: 'mosaic_split' (one kernel here for dV and one for dK: 5
+      matmuls a block pair, S computed twice, but each warpgroup holds one accumulator, [64, Dv]
+      or [64, D]), 'mosaic' (one kernel for both: 4 matmuls, both accumulators) or 'triton'
+      (`kernels.py`'s, with `flash_attention`'s FlashConfig tiles). The dq kernel is always this
+      module's. On the H200 (RESULTS.md, run 31) at 4 × 8192 tokens, 12 heads, in one process:
+      dq 1.26 ms (Triton's 2.25); dV 1.07 + dK 1.50 split, 3.38 in one kernel, 3.17 in Triton's;
+      forward (tokamax's) + backward 4.97 / 5.49 / 5.33 ms, all-Triton backward 6.27.
     interpret: run in Mosaic GPU's interpreter on the CPU (tests).
   """
   block_q_dq: int = 64
@@ -70,7 +75,7 @@ class MosaicBwdConfig:
   block_k_dkv: int = 64
   num_stages: int = 2
   compute_wgs: int = 2
-  kernels: tuple = ("dq",)
+  dkv: str = "mosaic_split"
   register_operands: bool = True
   interpret: bool = False
 
@@ -82,9 +87,8 @@ class MosaicBwdConfig:
       value = getattr(self, name)
       if value <= 0 or value % 64:
         raise ValueError(f"MosaicBwdConfig.{name} must be a positive multiple of 64, got {value}")
-    if not self.kernels or set(self.kernels) - {"dq", "dkv"}:
-      raise ValueError(f"MosaicBwdConfig.kernels must name 'dq' and / or 'dkv', got "
-                       f"{self.kernels!r}")
+    if self.dkv not in DKV_KERNELS:
+      raise ValueError(f"MosaicBwdConfig.dkv must be one of {DKV_KERNELS}, got {self.dkv!r}")
     for name in ("num_stages", "compute_wgs"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicBwdConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -224,9 +228,12 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem, 
 
 
 def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem, khi_gmem,
-                first_gmem, last_gmem, inner_lo_gmem, inner_hi_gmem, dk_gmem, dv_gmem,
-                k_smems, v_smems, p_smems, barriers, *, cfg: MosaicBwdConfig, scale: float,
-                groups: int):
+                first_gmem, last_gmem, inner_lo_gmem, inner_hi_gmem, *refs, cfg: MosaicBwdConfig,
+                scale: float, groups: int, parts: tuple):
+  """dK and / or dV (`parts`) of a tile of keys; refs = the outputs in `parts` order, then the k
+  and v tiles' shared memory, P's (None: from registers) and the barriers."""
+  outs = dict(zip(parts, refs[:len(parts)]))
+  k_smems, v_smems, p_smems, barriers = refs[len(parts):]
   bi = lax.axis_index("batch")
   hk = lax.axis_index("heads")
   ti = lax.axis_index("tiles")
@@ -238,31 +245,32 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
   first, last = first_gmem[bi, ti], last_gmem[bi, ti]
   k_smem, v_smem, barrier = k_smems.at[wg], v_smems.at[wg], barriers.at[wg]
   p_smem = None if p_smems is None else p_smems.at[wg]
+  # Each output's accumulator and the shared memory that stages it for the store.
+  stage = {"dk": k_smem, "dv": v_smem}
 
   def compute_thread(pipeline):
     plgpu.copy_gmem_to_smem(k_gmem.at[bi, keys, hk], k_smem, barrier)
     plgpu.copy_gmem_to_smem(v_gmem.at[bi, keys, hk], v_smem, barrier)
     plgpu.barrier_wait(barrier)
 
-    def accumulate(dk_acc, dv_acc):
-      pipeline((dk_acc, dv_acc))
-      return dk_acc[...], dv_acc[...]
+    def accumulate(*accs):
+      pipeline(accs)
+      return tuple(acc[...] for acc in accs)
 
-    dk, dv = pl.run_scoped(accumulate, plgpu.ACC(k_smem.shape, jnp.float32),
-                           plgpu.ACC(v_smem.shape, jnp.float32))
-    k_smem[...] = (dk * scale).astype(dtype)
-    v_smem[...] = dv.astype(dtype)
+    sums = pl.run_scoped(accumulate, *(plgpu.ACC(stage[part].shape, jnp.float32)
+                                       for part in parts))
+    for part, total in zip(parts, sums):
+      stage[part][...] = (total * scale if part == "dk" else total).astype(dtype)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(k_smem, dk_gmem.at[bi, keys, hk], commit_group=False)
-    plgpu.copy_smem_to_gmem(v_smem, dv_gmem.at[bi, keys, hk], commit_group=False)
+    for part in parts:
+      plgpu.copy_smem_to_gmem(stage[part], outs[part].at[bi, keys, hk], commit_group=False)
     plgpu.commit_smem_to_gmem_group()
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
   def step(index, q_smem, do_smem, lse_smem, delta_smem, q_consumed, do_consumed, lse_consumed,
            delta_consumed, carry):
-    dk_acc, dv_acc = carry
-    i, g = index
-    qb = first + i
+    accs = dict(zip(parts, carry))
+    qb = first + index[0]
     queries = pl.ds(qb * bq, bq)
 
     def logits(acc):
@@ -289,30 +297,41 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
     p32 = jnp.exp2(s * (scale * _LOG2E) - lax.broadcast_in_dim(lse, s.shape, [1]))
     p = p32.astype(dtype)
 
-    def dp_and_dv(dp_acc):
-      plgpu.wgmma(dp_acc, v_smem, do_smem.T)
+    def accumulate_dv(operand):
       if p_smem is None:
-        plgpu.wgmma(dv_acc, p, do_smem)
+        plgpu.wgmma(accs["dv"], operand, do_smem)
       else:
-        p_smem[...] = p
+        plgpu.wgmma_wait(0)
+        p_smem[...] = operand
         plgpu.commit_smem()
-        plgpu.wgmma(dv_acc, p_smem, do_smem)
-      return plgpu.wgmma_accumulator_load(dp_acc, wait_n=1)
+        plgpu.wgmma(accs["dv"], p_smem, do_smem)
 
-    dp = pl.run_scoped(dp_and_dv, acc)
+    if "dk" not in parts:  # dV alone: Pᵀ dO, no dP
+      accumulate_dv(p)
+      plgpu.wgmma_wait(0)
+      plgpu.barrier_arrive(do_consumed)
+      plgpu.barrier_arrive(q_consumed)
+      return carry
+
+    def dp_then_dv(dp_acc):
+      plgpu.wgmma(dp_acc, v_smem, do_smem.T)
+      if "dv" in parts:
+        accumulate_dv(p)
+      return plgpu.wgmma_accumulator_load(dp_acc, wait_n=1 if "dv" in parts else 0)
+
+    dp = pl.run_scoped(dp_then_dv, acc)
     ds = (p32 * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))).astype(dtype)
     if p_smem is None:
-      plgpu.wgmma(dk_acc, ds, q_smem)
+      plgpu.wgmma(accs["dk"], ds, q_smem)
     else:
       plgpu.wgmma_wait(0)
       p_smem[...] = ds
       plgpu.commit_smem()
-      plgpu.wgmma(dk_acc, p_smem, q_smem)
+      plgpu.wgmma(accs["dk"], p_smem, q_smem)
     plgpu.wgmma_wait(1)
     plgpu.barrier_arrive(do_consumed)
     plgpu.wgmma_wait(0)
     plgpu.barrier_arrive(q_consumed)
-    del g
     return carry
 
   d, dv = q_gmem.shape[-1], do_gmem.shape[-1]
@@ -376,7 +395,8 @@ def mosaic_flash_dq(q, k, v, dout, lse, delta, k_lo, k_hi, *, scale: float,
 
 def mosaic_flash_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float,
                      cfg: MosaicBwdConfig):
-  """Padded inputs (module docstring) -> dk [B, S, Hk, D], dv [B, S, Hk, Dv] in k's dtype."""
+  """Padded inputs (module docstring) -> dk [B, S, Hk, D], dv [B, S, Hk, Dv] in k's dtype: one
+  kernel (cfg.dkv == 'mosaic') or one for dV and one for dK ('mosaic_split')."""
   _check_padded(q, k, v, cfg)
   b, t, h, d = q.shape
   s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
@@ -385,11 +405,20 @@ def mosaic_flash_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale
   inner_lo, inner_hi = _block_ranges(k_lo, k_hi, cfg.block_q_dkv)
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   p_scratch = None if cfg.register_operands else _smem((wgs, bk, bq), q.dtype)
-  return plgpu.kernel(
-      functools.partial(_dkv_kernel, cfg=cfg, scale=scale, groups=h // hk),
-      out_type=(jax.ShapeDtypeStruct(k.shape, k.dtype), jax.ShapeDtypeStruct(v.shape, v.dtype)),
-      scratch_types=[_smem((wgs, bk, d), k.dtype), _smem((wgs, bk, dv), v.dtype), p_scratch,
-                     plgpu.Barrier(num_barriers=wgs, num_arrivals=2)],
-      grid=(b, hk, s // cfg.tile_k), grid_names=("batch", "heads", "tiles"),
-      kernel_name="flash_ranges_dkv_mosaic", **_launch(cfg),
-  )(q, k, v, dout, lse, delta, k_lo, k_hi, first, last, inner_lo, inner_hi)
+  shapes = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype), "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+
+  def run(parts):
+    return plgpu.kernel(
+        functools.partial(_dkv_kernel, cfg=cfg, scale=scale, groups=h // hk, parts=parts),
+        out_type=tuple(shapes[part] for part in parts),
+        scratch_types=[_smem((wgs, bk, d), k.dtype), _smem((wgs, bk, dv), v.dtype), p_scratch,
+                       plgpu.Barrier(num_barriers=wgs, num_arrivals=2)],
+        grid=(b, hk, s // cfg.tile_k), grid_names=("batch", "heads", "tiles"),
+        kernel_name=f"flash_ranges_{''.join(parts)}_mosaic", **_launch(cfg),
+    )(q, k, v, dout, lse, delta, k_lo, k_hi, first, last, inner_lo, inner_hi)
+
+  if cfg.dkv == "mosaic":
+    return run(("dk", "dv"))
+  (dv_,) = run(("dv",))
+  (dk,) = run(("dk",))
+  return dk, dv_

@@ -99,12 +99,11 @@ def _attention_bwd(scale, cfg, forward, mosaic, res, dout):
   dop = _pad(_pad(dout.astype(v.dtype), 1, tp), 3, vp.shape[-1])
   lse = _pad(lse, 2, tp, jnp.inf)
   delta = _pad(delta, 2, tp)
-  kernels = () if mosaic is None else mosaic.kernels
-  if "dq" in kernels:
+  if mosaic is not None:
     dq = mb.mosaic_flash_dq(qp, kp, vp, dop, lse, delta, klo, khi, scale=scale, cfg=mosaic)
   else:
     dq = fk.flash_bwd_dq(qp, kp, vp, dop, lse, delta, klo, khi, scale=scale, cfg=cfg)
-  if "dkv" in kernels:
+  if mosaic is not None and mosaic.dkv != "triton":
     dk, dv_ = mb.mosaic_flash_dkv(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
                                   cfg=mosaic)
   else:
@@ -137,8 +136,8 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
       be free of traced values (a module-level function, or a partial over Python constants).
     forward_aux: the array `forward` reads besides q, k, v (e.g. segment ids); not differentiated.
     mosaic_backward: None (the Triton backward, `config`'s tiles), or the Mosaic GPU backward's
-      tiles and which of its kernels (dq, dk/dv) replace the Triton ones (sm90 GPUs, or its
-      interpreter).
+      tiles: its dq kernel, and dk/dv from Triton or Mosaic kernels (`MosaicBwdConfig.dkv`);
+      sm90 GPUs, or its interpreter.
 
   Returns:
     [B, T, H, Dv] in q.dtype.

@@ -17,8 +17,9 @@ from pallas_kernels.flash_attention import (FlashConfig, MosaicBwdConfig, flash_
 from pallas_kernels.flash_attention import mosaic_bwd
 from testlib import error_ratio
 
-# Both kernels here (the default runs only dq here and dk/dv as the Triton kernel).
-MOSAIC = MosaicBwdConfig(kernels=("dq", "dkv"), register_operands=False, interpret=True)
+# dk/dv in one Mosaic kernel, in two (the default), or in the Triton kernel.
+MOSAIC = MosaicBwdConfig(dkv="mosaic", register_operands=False, interpret=True)
+MOSAIC_SPLIT = MosaicBwdConfig(register_operands=False, interpret=True)
 TRITON = FlashConfig(block_q=32, block_k=32, block_q_dkv=32, block_k_dkv=32, interpret=True)
 
 
@@ -43,12 +44,11 @@ def _reference_grads(q, k, v, do, seg, causal=True):
   return jax.vjp(ref, f32(q), f32(k), f32(v))[1](f32(do))
 
 
-# The default split: dq from the Mosaic kernel (three stages here), dk/dv from the Triton one.
-MOSAIC_DQ = MosaicBwdConfig(num_stages=3, register_operands=False, interpret=True)
+MOSAIC_DQ = MosaicBwdConfig(dkv="triton", num_stages=3, register_operands=False, interpret=True)
 
 
 @pytest.mark.parametrize("hk, causal, cfg", [(2, True, MOSAIC), (1, False, MOSAIC),
-                                             (2, True, MOSAIC_DQ)])
+                                             (2, True, MOSAIC_DQ), (2, True, MOSAIC_SPLIT)])
 def test_matches_dense_reference(hk, causal, cfg):
   """A packed row (documents of 100 and 120 tokens, 36 of padding; T = 256 is two dq tiles and
   two dk/dv tiles, four key and query blocks), MLA's head dims (q/k 192, v 128), bf16; GQA with
@@ -73,13 +73,14 @@ def test_unaligned_lengths_and_head_dims_are_padded():
     assert error_ratio(g.astype(jnp.float32), w) < 0.006, name
 
 
-def test_skips_blocks_outside_the_documents():
+@pytest.mark.parametrize("cfg", [MOSAIC, MOSAIC_SPLIT], ids=["dkv", "dk_and_dv"])
+def test_skips_blocks_outside_the_documents(cfg):
   """NaN keys and values in the first document's blocks reach no gradient of the second
-  document: neither Mosaic kernel's loop loads them for the second document's tiles."""
+  document: no Mosaic kernel's loop loads them for the second document's tiles."""
   seg = np.array([[1] * 128 + [2] * 128], np.int32)
   q, k, v, do = _inputs(1, 256, 1, 1, 64, 64, seed=3)
   k_bad, v_bad = k.at[:, :64].set(jnp.nan), v.at[:, :64].set(jnp.nan)
-  dq, dk, dv = _grads(q, k_bad, v_bad, do.at[:, :128].set(0), seg, MOSAIC)
+  dq, dk, dv = _grads(q, k_bad, v_bad, do.at[:, :128].set(0), seg, cfg)
   for x in (dq[:, 128:], dk[:, 128:], dv[:, 128:]):
     assert np.all(np.isfinite(np.asarray(x, np.float32)))
   want = _reference_grads(q, k, v, do.at[:, :128].set(0), seg)
@@ -109,7 +110,7 @@ def test_block_spans_cover_exactly_the_touched_blocks():
 def test_config_errors_name_the_field():
   with pytest.raises(ValueError, match="block_q_dkv must be a positive multiple of 64"):
     MosaicBwdConfig(block_q_dkv=32)
-  with pytest.raises(ValueError, match="kernels must name 'dq' and / or 'dkv'"):
-    MosaicBwdConfig(kernels=("dq", "dv"))
+  with pytest.raises(ValueError, match="dkv must be one of"):
+    MosaicBwdConfig(dkv="xla")
   with pytest.raises(ValueError, match="num_stages must be >= 1"):
     MosaicBwdConfig(num_stages=0)
