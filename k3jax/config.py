@@ -36,7 +36,7 @@ KDA_BACKENDS = ("auto", "xla", "pallas")
 # k3jax.ops.kernel_choice.
 KERNEL_CHOICES = ("auto", "xla", "pallas")
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas",
-                   "tokamax_mosaic_bwd")
+                   "tokamax_mosaic_bwd", "auto_mosaic_bwd")
 REMAT_POLICIES = ("none", "full", "dots")
 PRECOMPILE_MODES = ("auto", "on", "off")
 MICROBATCH_LOOPS = ("scan", "host")
@@ -83,8 +83,9 @@ class ModelConfig:
   mla_qk_rope_dim: int = 16       # never rotated (NoPE); kept for shape fidelity
   mla_v_dim: int = 32
   mla_output_gate: bool = True
-  # auto | xla | cudnn | tokamax | tokamax_pallas_bwd | pallas (k3jax/ops/attention.py). auto: cuDNN
-  # for rows without segment ids, tokamax Mosaic for packed rows on sm90+, XLA (blockwise) else.
+  # ATTENTION_IMPLS (k3jax/ops/attention.py). auto: cuDNN for rows without segment ids, tokamax's
+  # forward for packed rows on sm90+ with our Triton backward (auto_mosaic_bwd: our Mosaic GPU
+  # one), XLA (blockwise) else.
   attention_impl: str = "auto"
 
   # FFN and MoE (SiTU-GLU everywhere)

@@ -21,16 +21,21 @@ Implementations:
   'tokamax_pallas_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention` backward.
   'pallas'              `pallas_kernels.flash_attention` forward and backward (Triton).
   'tokamax_mosaic_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention`'s Mosaic GPU
-                        (wgmma) backward, sm90+.
+                        (wgmma) backward, sm90+: the fastest step (below), but its three kernels
+                        added 13.5 s to small.gin's cold start-up on an H200 host (61.9 -> 75.4 s,
+                        RESULTS.md run 31), so 'auto' does not pick it yet.
   'auto'                on an NVIDIA GPU with bf16/fp16 self-attention: 'cudnn' without segment
                         ids; with them on sm90+, 'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row
-                        and 'tokamax_mosaic_bwd' above; 'xla' otherwise (CPU, positions, fp32).
+                        and 'tokamax_pallas_bwd' above; 'xla' otherwise (CPU, positions, fp32).
+  'auto_mosaic_bwd'     'auto', with 'tokamax_mosaic_bwd' in place of 'tokamax_pallas_bwd'
+                        (medium.gin's: a faster step for a slower cold start-up).
 Measured on an H200 at MLA's head dims (RESULTS.md, runs 9 and 16), forward+backward ms: T = 8192
 with one document, tokamax 1.52, tokamax + Pallas backward 2.09; 4 rows of 8192 with three
 documents each, tokamax 4.61, tokamax + Pallas backward 3.73; T = 65536 with 8 documents, tokamax 62.7
 (its backward pays a whole causal pass), tokamax + Pallas backward 18.6 (the previous dense-mask
 cuDNN path: 438). With the Mosaic GPU backward (run 31, 12 heads, 4 rows of 8192 with three
-documents each): 4.97 ms against the Triton backward's 6.27; medium.gin's 1M-token step −2.7 %.
+documents each): 4.97 ms against the Triton backward's 6.27; T = 65536 with 8 documents, 23.8
+against 31.0; medium.gin's 1M-token step −2.7 %.
 """
 
 from __future__ import annotations
@@ -47,14 +52,13 @@ from k3jax.ops.attention_blockwise import blockwise_attention, blockwise_max_log
 from pallas_kernels.flash_attention import MosaicBwdConfig
 
 IMPLEMENTATIONS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas",
-                   "tokamax_mosaic_bwd")
+                   "tokamax_mosaic_bwd", "auto_mosaic_bwd")
 
 # XLA path: tokens per query / key block. A block step holds B·H·Q_BLOCK·KV_BLOCK fp32 logits.
 DEFAULT_Q_BLOCK = 512
 DEFAULT_KV_BLOCK = 512
 # 'auto' on packed rows: tokamax's stock backward up to this row length (rows of about one document,
-# where its causal pass wastes little and runs faster), the block-skipping Pallas backward above
-# (since run 31 its Mosaic GPU kernels; the Triton pair measured below).
+# where its causal pass wastes little and runs faster), the block-skipping Pallas backward above.
 # At 8192-token rows of several documents the Pallas backward already wins (H200, B 4, H 6,
 # documents of 5218/1749/1225 tokens: 3.73 ms forward+backward against 4.61; a training step of
 # rows with 2.25 documents on average: small.gin −1.1 ms, medium.gin −6.4 ms), and loses only on
@@ -114,13 +118,15 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
   """The concrete implementation for 'auto', after checking that a named one can run."""
   if implementation == "xla":
     return "xla"
-  if implementation == "auto":
+  if implementation in ("auto", "auto_mosaic_bwd"):
     if has_positions:
       return "xla"
     if has_segments:
       if _gpu_unusable_reason(q, v, (9, 0)) is not None:
         return "xla"
-      return "tokamax" if q.shape[1] <= AUTO_TOKAMAX_MAX_T else "tokamax_mosaic_bwd"
+      if q.shape[1] <= AUTO_TOKAMAX_MAX_T:
+        return "tokamax"
+      return "tokamax_pallas_bwd" if implementation == "auto" else "tokamax_mosaic_bwd"
     return "cudnn" if _gpu_unusable_reason(q, v, (8, 0)) is None else "xla"
   if has_positions:
     raise ValueError(f"implementation={implementation!r} takes no q_positions/kv_positions "

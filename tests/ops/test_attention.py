@@ -265,6 +265,9 @@ def test_dispatch_on_cpu():
   auto = attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)
   np.testing.assert_allclose(np.asarray(auto), np.asarray(dense_attention(q, k, v, seg)),
                              atol=1e-5)
+  auto_mosaic = attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg,
+                          implementation="auto_mosaic_bwd")
+  np.testing.assert_allclose(np.asarray(auto_mosaic), np.asarray(auto), atol=1e-6)
   if jax.default_backend() != "gpu":
     for impl in ("tokamax", "tokamax_pallas_bwd", "pallas", "tokamax_mosaic_bwd"):
       with pytest.raises(ValueError, match="not usable"):
@@ -351,3 +354,22 @@ def test_xla_blockwise_grad_inside_scan_stacks_no_block_pairs():
   x = jax.random.normal(jax.random.PRNGKey(0), (1, t, h * d))
   ws = jax.random.normal(jax.random.PRNGKey(1), (2, h * d, h * d)) * 0.1
   np.testing.assert_allclose(jax.grad(loss)(ws, x), jax.grad(dense_loss)(ws, x), rtol=2e-4, atol=2e-4)
+
+
+def test_auto_choices_on_a_hopper_gpu(monkeypatch):
+  """The implementations 'auto' and 'auto_mosaic_bwd' resolve to on an sm90 GPU (the capability
+  patched in): tokamax's stock backward for short packed rows, then the Triton or the Mosaic GPU
+  backward; cuDNN without segment ids; XLA with positions."""
+  from k3jax.ops import attention as attention_lib
+  monkeypatch.setattr(attention_gpu, "compute_capability", lambda: (9, 0))
+  resolve = attention_lib._resolve  # pylint: disable=protected-access
+
+  def rows(t):
+    return (jax.ShapeDtypeStruct((2, t, 12, 192), jnp.bfloat16),
+            jax.ShapeDtypeStruct((2, t, 12, 128), jnp.bfloat16))
+
+  for impl, long_rows in (("auto", "tokamax_pallas_bwd"), ("auto_mosaic_bwd", "tokamax_mosaic_bwd")):
+    assert resolve(impl, *rows(8192), has_segments=True, has_positions=False) == long_rows
+    assert resolve(impl, *rows(4096), has_segments=True, has_positions=False) == "tokamax"
+    assert resolve(impl, *rows(8192), has_segments=False, has_positions=False) == "cudnn"
+    assert resolve(impl, *rows(8192), has_segments=True, has_positions=True) == "xla"
