@@ -6,7 +6,11 @@ launching too slowly (many short kernels outside a command buffer), a host synch
 gap between two jitted programs of a host loop. `gpu_gaps` merges the kernels of every stream line
 of '/device:GPU:<i>' (streams may overlap) into busy intervals and reports:
 
-  * each XLA program's runs ('XLA Modules' line): wall, busy and idle ms, summed by program name;
+  * each XLA program's runs: wall, busy and idle ms, summed by program name. The runs come from
+    the plane's 'XLA Modules' line; a trace without one (the H200 traces of runs 29-30) gives them
+    from the kernels' 'hlo_module' stats instead, a run being a maximal sequence of kernels of one
+    program in time order, from its first kernel's start to its last kernel's end (so a run's
+    launch latency before its first kernel counts as outside the programs);
   * the idle time inside and between programs;
   * the largest gap sources: idle ns summed by (kernel before, kernel after), with counts.
 
@@ -27,10 +31,22 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import trace_times  # noqa: E402  (experiments/benchmarks is not a package)
 
 
+def _runs_from_kernel_stats(tagged) -> list:
+  """[(start_ns, end_ns, program)] from [(start_ns, end_ns, program)] of the kernels that carry an
+  'hlo_module' stat, sorted: one run per maximal sequence of one program's kernels."""
+  runs = []
+  for start, end, program in tagged:
+    if runs and runs[-1][2] == program:
+      runs[-1][1] = max(runs[-1][1], end)
+    else:
+      runs.append([start, end, program])
+  return [tuple(run) for run in runs]
+
+
 def _kernels_and_modules(logdir: str, device_index: int = 0):
   """([(start_ns, end_ns, kernel name)] sorted, [(start_ns, end_ns, program name)] sorted, the
-  plane's other line names) of `trace_times.gpu_plane`."""
-  kernels, modules, others = [], [], set()
+  plane's other line names, where the programs' runs came from) of `trace_times.gpu_plane`."""
+  kernels, modules, tagged, others = [], [], [], set()
   plane = trace_times.gpu_plane(logdir, device_index)
   for line in plane.lines if plane is not None else ():
     if not line.name.startswith("Stream") and line.name != "XLA Modules":
@@ -38,13 +54,19 @@ def _kernels_and_modules(logdir: str, device_index: int = 0):
     if line.name.startswith("Stream"):
       for e in line.events:
         kernels.append((e.start_ns, e.start_ns + e.duration_ns, e.name))
+        program = trace_times.stat_value(e, "hlo_module")
+        if program is not None:
+          tagged.append((e.start_ns, e.start_ns + e.duration_ns, str(program)))
     elif line.name == "XLA Modules":
       for e in line.events:
         # 'jit_train_step_microbatch(1234)' -> 'jit_train_step_microbatch'
         modules.append((e.start_ns, e.start_ns + e.duration_ns, re.sub(r"\(\d+\)$", "", e.name)))
   kernels.sort()
   modules.sort()
-  return kernels, modules, sorted(others)
+  source = "XLA Modules line"
+  if not modules and tagged:
+    modules, source = _runs_from_kernel_stats(sorted(tagged)), "kernels' hlo_module stats"
+  return kernels, modules, sorted(others), source if modules else None
 
 
 def _short(name: str) -> str:
@@ -54,7 +76,7 @@ def _short(name: str) -> str:
 
 def gpu_gaps(logdir: str, min_gap_us: float = 5.0, top: int = 25, device_index: int = 0) -> dict:
   """The summary described in the module docstring; times in ms (over the whole trace)."""
-  kernels, modules, other_lines = _kernels_and_modules(logdir, device_index)
+  kernels, modules, other_lines, source = _kernels_and_modules(logdir, device_index)
   if not kernels:
     return {"note": f"no kernels on /device:GPU:{device_index}"}
   # Busy intervals: the union of the kernels' [start, end).
@@ -101,13 +123,14 @@ def gpu_gaps(logdir: str, min_gap_us: float = 5.0, top: int = 25, device_index: 
                           "idle_ms": ms(wall - b)}
                    for name, (runs, wall, b) in sorted(per_module.items(),
                                                         key=lambda kv: -kv[1][1])},
+      "programs_from": source,
       "outside_programs_ms": ms(max(span - inside, 0)),
       f"gaps_over_{min_gap_us:g}us_ms": ms(sum(by_pair.values())),
       "largest_gaps": [[k, ms(ns), count[k]] for k, ns in by_pair.most_common(top)],
   }
   if not modules:
-    # No 'XLA Modules' line (run 29's H200 traces had none): the names there are, to look for the
-    # programs' spans under another.
+    # Neither an 'XLA Modules' line nor kernels' program stats: the lines there are, to look for
+    # the programs' spans under another.
     out["other_lines"] = other_lines
   return out
 

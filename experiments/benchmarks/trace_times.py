@@ -65,7 +65,7 @@ def host_event_times(logdir: str) -> collections.Counter:
   return total
 
 
-def _stat(event, name: str):
+def stat_value(event, name: str):
   """The value of stat `name` of a trace event, or None (stats are (name, value) pairs)."""
   for item in event.stats:
     key, value = item if isinstance(item, tuple) else (getattr(item, "name", None),
@@ -95,12 +95,12 @@ def stream_hlo_op_times(logdir: str, device_index: int = 0,
   for line in plane.lines if plane is not None else ():
     if line.name.startswith("Stream"):
       for event in line.events:
-        op = _stat(event, "hlo_op")
+        op = stat_value(event, "hlo_op")
         use_op = op and not str(op).startswith("command_buffer")
         key = str(op) if use_op else event.name
         total[key] += event.duration_ns
         if module is not None:
-          owner = _stat(event, "hlo_module")
+          owner = stat_value(event, "hlo_module")
           tagged |= owner is not None
           if owner is not None and str(owner) == module:
             kept[key] += event.duration_ns
