@@ -303,9 +303,30 @@ def timings(args, t: int, n_docs: int, h: int, d: int, dv: int):
           emit(kind="time", variant=label, mode=mode, B=args.batch, T=t, H=h, D=d, Dv=dv,
                docs=doc_lengths(seg[:1]),
                ms=round(ms, 4))
+          if args.kernel_times:
+            fn, fargs = (jax.jit(f), (q, k, v)) if mode == "fwd" else (jax.jit(vjp_fn(f)),
+                                                                       (q, k, v, do))
+            emit(kind="kernels", variant=label, mode=mode, T=t,
+                 ms_per_call=kernel_times_ms(fn, fargs, label))
         except Exception as e:  # pylint: disable=broad-except
           emit(kind="time", variant=label, mode=mode, T=t, error=f"{type(e).__name__}: {e}"[:2000],
                trace=traceback.format_exc()[-1500:])
+
+
+def kernel_times_ms(fn, args, label: str, calls: int = 10) -> dict:
+  """{kernel: ms per call} of `calls` calls of the compiled `fn` from a profiler trace (the ten
+  longest kernels; GPU only): which of a backward's kernels holds the time."""
+  if jax.default_backend() != "gpu":
+    raise ValueError("--kernel-times reads a GPU trace; the backend is " + jax.default_backend())
+  import trace_times  # pylint: disable=import-outside-toplevel  (beside this script)
+  jax.block_until_ready(fn(*args))
+  logdir = os.path.join("/tmp", "attention_bench_trace", label.replace(",", "_"))
+  with jax.profiler.trace(logdir):
+    for _ in range(calls):
+      out = fn(*args)
+    jax.block_until_ready(out)
+  times = trace_times.stream_kernel_times(trace_times.device_line_times(logdir))
+  return {name: round(ns / calls / 1e6, 4) for name, ns in times.most_common(10)}
 
 
 def main():
@@ -328,6 +349,8 @@ def main():
   p.add_argument("--max-documents", type=int, default=16, help="cudnn_packed's static bound")
   p.add_argument("--xla-max-t", type=int, default=8192)
   p.add_argument("--reps", type=int, default=20)
+  p.add_argument("--kernel-times", action="store_true",
+                 help="after each timing, each kernel's ms per call from a profiler trace (GPU)")
   p.add_argument("--smoke", action="store_true",
                  help="small shapes on CPU: xla and pallas (interpreter) variants")
   args = p.parse_args()
