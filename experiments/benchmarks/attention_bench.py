@@ -345,7 +345,7 @@ def main():
   p.add_argument("--pallas-configs", default=";".join(PALLAS_CONFIGS),
                  help="';'-separated block_q,block_k,block_q_dkv,block_k_dkv,warps,stages")
   p.add_argument("--mosaic-configs", default=";".join(MOSAIC_CONFIGS),
-                 help="';'-separated block_q_dq,block_k_dq,block_q_dkv,block_k_dkv,stages,wgs[,smem]")
+                 help="';'-separated bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,flags] (mosaic_config)")
   p.add_argument("--max-documents", type=int, default=16, help="cudnn_packed's static bound")
   p.add_argument("--xla-max-t", type=int, default=8192)
   p.add_argument("--reps", type=int, default=20)

@@ -358,12 +358,15 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
   )(q_rows, do_rows, lse_gmem.at[bi], delta_gmem.at[bi])
 
 
-def _check_padded(q, k, v, cfg: MosaicBwdConfig):
-  t, d, s, dv = q.shape[1], q.shape[-1], k.shape[1], v.shape[-1]
+def _shapes(q, k, v, cfg: MosaicBwdConfig) -> tuple[int, ...]:
+  """(B, T, H, D, S, Hk, Dv) of padded inputs, after checking them against the tiles."""
+  b, t, h, d = q.shape
+  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
   if t % cfg.tile_q or t % cfg.block_q_dkv or s % cfg.tile_k or s % cfg.block_k_dq:
     raise ValueError(f"T={t} and S={s} must be multiples of the tiles of {cfg}")
   if d % 64 or dv % 64:
     raise ValueError(f"head dims must be multiples of 64, got D={d}, Dv={dv}")
+  return b, t, h, d, s, hk, dv
 
 
 def _launch(cfg: MosaicBwdConfig) -> dict:
@@ -375,9 +378,7 @@ def _launch(cfg: MosaicBwdConfig) -> dict:
 def mosaic_flash_dq(q, k, v, dout, lse, delta, k_lo, k_hi, *, scale: float,
                     cfg: MosaicBwdConfig):
   """Padded inputs (module docstring) -> dq [B, T, H, D] in q.dtype."""
-  _check_padded(q, k, v, cfg)
-  b, t, h, d = q.shape
-  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  b, t, h, d, s, hk, dv = _shapes(q, k, v, cfg)
   wgs = cfg.compute_wgs
   first, last = _block_spans(k_lo, k_hi, cfg.tile_q, cfg.block_k_dq, s // cfg.block_k_dq)
   inner_lo, inner_hi = _block_ranges(k_lo, k_hi, cfg.block_q_dq)
@@ -397,15 +398,14 @@ def mosaic_flash_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale
                      cfg: MosaicBwdConfig):
   """Padded inputs (module docstring) -> dk [B, S, Hk, D], dv [B, S, Hk, Dv] in k's dtype: one
   kernel (cfg.dkv == 'mosaic') or one for dV and one for dK ('mosaic_split')."""
-  _check_padded(q, k, v, cfg)
-  b, t, h, d = q.shape
-  s, hk, dv = k.shape[1], k.shape[2], v.shape[-1]
+  b, t, h, d, s, hk, dv = _shapes(q, k, v, cfg)
   wgs = cfg.compute_wgs
   first, last = _block_spans(q_lo, q_hi, cfg.tile_k, cfg.block_q_dkv, t // cfg.block_q_dkv)
   inner_lo, inner_hi = _block_ranges(k_lo, k_hi, cfg.block_q_dkv)
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   p_scratch = None if cfg.register_operands else _smem((wgs, bk, bq), q.dtype)
-  shapes = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype), "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
+  shapes = {"dk": jax.ShapeDtypeStruct(k.shape, k.dtype),
+            "dv": jax.ShapeDtypeStruct(v.shape, v.dtype)}
 
   def run(parts):
     return plgpu.kernel(

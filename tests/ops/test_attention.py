@@ -368,7 +368,8 @@ def test_auto_choices_on_a_hopper_gpu(monkeypatch):
     return (jax.ShapeDtypeStruct((2, t, 12, 192), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, t, 12, 128), jnp.bfloat16))
 
-  for impl, long_rows in (("auto", "tokamax_pallas_bwd"), ("auto_mosaic_bwd", "tokamax_mosaic_bwd")):
+  for impl, long_rows in (("auto", "tokamax_pallas_bwd"),
+                          ("auto_mosaic_bwd", "tokamax_mosaic_bwd")):
     assert resolve(impl, *rows(8192), has_segments=True, has_positions=False) == long_rows
     assert resolve(impl, *rows(4096), has_segments=True, has_positions=False) == "tokamax"
     assert resolve(impl, *rows(8192), has_segments=False, has_positions=False) == "cudnn"
