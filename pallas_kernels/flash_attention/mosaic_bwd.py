@@ -14,8 +14,8 @@ Every kernel recomputes the logits:
                `MosaicBwdConfig.dkv`): a dV kernel (Sᵀ, dV) and a dK kernel (Sᵀ, dPᵀ, dK), one
                accumulator per warpgroup instead of two.
 The element masks come from k_lo / k_hi and are applied only on block pairs that straddle a range
-edge (the per-block scalars `_BlockRanges` tell which); the loops' bounds come from per-tile block
-spans computed in XLA before the launch (`_block_spans`).
+edge (the per-block scalars of `_block_ranges` tell which); the loops' bounds come from per-tile
+block spans computed in XLA before the launch (`_block_spans`).
 
 Layouts: q [B, T, H, D], k [B, S, Hk, D], v [B, S, Hk, Dv], dout [B, T, H, Dv], lse / delta
 [B, H, T] fp32 (lse = +inf where a query sees nothing), k_lo / k_hi [B, T], q_lo / q_hi [B, S]
