@@ -297,17 +297,19 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
     p32 = jnp.exp2(s * (scale * _LOG2E) - lax.broadcast_in_dim(lse, s.shape, [1]))
     p = p32.astype(dtype)
 
-    def accumulate_dv(operand):
+    def accumulate(acc_ref, lhs, rhs):
+      """acc_ref += lhs · rhs with lhs (Pᵀ or dSᵀ) from registers, or staged through p_smem once
+      the matmul that last read it is done."""
       if p_smem is None:
-        plgpu.wgmma(accs["dv"], operand, do_smem)
+        plgpu.wgmma(acc_ref, lhs, rhs)
       else:
         plgpu.wgmma_wait(0)
-        p_smem[...] = operand
+        p_smem[...] = lhs
         plgpu.commit_smem()
-        plgpu.wgmma(accs["dv"], p_smem, do_smem)
+        plgpu.wgmma(acc_ref, p_smem, rhs)
 
     if "dk" not in parts:  # dV alone: Pᵀ dO, no dP
-      accumulate_dv(p)
+      accumulate(accs["dv"], p, do_smem)
       plgpu.wgmma_wait(0)
       plgpu.barrier_arrive(do_consumed)
       plgpu.barrier_arrive(q_consumed)
@@ -316,18 +318,12 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
     def dp_then_dv(dp_acc):
       plgpu.wgmma(dp_acc, v_smem, do_smem.T)
       if "dv" in parts:
-        accumulate_dv(p)
+        accumulate(accs["dv"], p, do_smem)
       return plgpu.wgmma_accumulator_load(dp_acc, wait_n=1 if "dv" in parts else 0)
 
     dp = pl.run_scoped(dp_then_dv, acc)
     ds = (p32 * (dp - lax.broadcast_in_dim(delta, s.shape, [1]))).astype(dtype)
-    if p_smem is None:
-      plgpu.wgmma(accs["dk"], ds, q_smem)
-    else:
-      plgpu.wgmma_wait(0)
-      p_smem[...] = ds
-      plgpu.commit_smem()
-      plgpu.wgmma(accs["dk"], p_smem, q_smem)
+    accumulate(accs["dk"], ds, q_smem)
     plgpu.wgmma_wait(1)
     plgpu.barrier_arrive(do_consumed)
     plgpu.wgmma_wait(0)
