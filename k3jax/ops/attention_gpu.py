@@ -31,6 +31,7 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
+from pallas_kernels.common import kernel_entry_point
 from pallas_kernels.flash_attention import FlashConfig, MosaicBwdConfig, flash_attention
 
 
@@ -105,6 +106,10 @@ def _tokamax_mask(segment_ids: Optional[jax.Array], t: int, causal: bool):
   return mask_cls(k_start=start[:, None, :], k_end=end[:, None, :])
 
 
+# Jitted (as the other kernels' entry points are): the MLA layers of a step call it with equal shapes,
+# and JAX then traces it, lowers its Mosaic GPU and Triton kernels and differentiates it once for
+# all of them, not once per layer.
+@kernel_entry_point("scale", "causal", "vjp_config")
 def tokamax_attention(q, k, v, segment_ids: Optional[jax.Array], *, scale: float,
                       causal: bool, vjp_config: Optional[tuple[int, ...]] = None) -> jax.Array:
   """tokamax Mosaic GPU forward and its stock backward. q [B,T,H,D], k/v [B,T,Hk,D|Dv],
@@ -136,6 +141,7 @@ def default_flash_config(interpret: bool = False) -> FlashConfig:
                      dq_launch=(8, 3), dkv_launch=(8, 3), interpret=interpret)
 
 
+@kernel_entry_point("scale", "causal", "forward", "config", "mosaic_backward")
 def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
                      forward: str, config: Optional[FlashConfig] = None,
                      mosaic_backward: Optional[MosaicBwdConfig] = None) -> jax.Array:
