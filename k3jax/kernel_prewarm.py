@@ -1,0 +1,124 @@
+"""A program's Mosaic GPU kernels compiled ahead of XLA's compile, on another thread.
+
+XLA compiles each Mosaic GPU kernel of a program (tokamax's grouped matmul and attention forward,
+k3jax's attention backward) when it builds that kernel's thunk, after the program's HLO passes,
+one kernel after the other: in a profile of small.gin's cold start-up on an H200 host its
+gradient program spent 6.9 s there, five kernels of about 1.3 s each, at the end of its compile
+and so on the start-up's critical path (RESULTS.md, run 32). jaxlib keeps compiled Mosaic GPU
+kernels in a process-wide cache keyed by the kernel's hash (`CachedCompile` in
+jaxlib/mosaic/gpu/custom_call.cc). Compiling, while XLA runs the big program's HLO passes, a
+program of one instruction that holds the same custom call leaves XLA a cache hit for it.
+
+`prewarm_kernels` does that for every distinct kernel of some lowered programs. The one-call
+programs are throwaway: their only effect is the cache entry, and a kernel they fail to compile
+is compiled by XLA as before (the failure is logged).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from typing import Iterable, Sequence
+
+from absl import logging
+import jax
+import jax.extend as jex
+# The lowered programs' MLIR: Lowered.compiler_ir() returns these bindings' objects, and only
+# they can walk it and build the one-call programs (jax.extend.mlir has no dialect builders).
+from jax._src.lib.mlir import ir
+from jax._src.lib.mlir.dialects import func as func_dialect
+
+# Custom-call targets of Mosaic GPU kernels: the typed-FFI one Pallas emits, and the legacy one.
+MOSAIC_GPU_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu")
+
+
+def _config_key(op: ir.Operation) -> str:
+  """The part of a custom call's backend config that tells kernels apart: a Mosaic GPU call's
+  `kernel_hash` (its config also holds the whole kernel module, hundreds of KB to print), else
+  the whole config."""
+  if "backend_config" not in op.attributes:
+    return ""
+  config = op.attributes["backend_config"]
+  if isinstance(config, ir.DictAttr) and "kernel_hash" in config:
+    return str(config["kernel_hash"])
+  return str(config)
+
+
+def kernel_calls(module: ir.Module, targets: Sequence[str]) -> list[ir.Operation]:
+  """The `stablehlo.custom_call`s of `module` (any region, any function) whose target is one of
+  `targets`, one per distinct call: same target, backend config and operand and result types."""
+  found, seen = [], set()
+
+  def visit(op):
+    if op.name == "stablehlo.custom_call":
+      target = ir.StringAttr(op.attributes["call_target_name"]).value
+      if target in targets:
+        key = hashlib.sha256("\n".join(
+            [target, _config_key(op)] + [str(v.type) for v in op.operands]
+            + [str(r.type) for r in op.results]).encode()).hexdigest()
+        if key not in seen:
+          seen.add(key)
+          found.append(op)
+    return ir.WalkResult.ADVANCE
+
+  module.operation.walk(visit)
+  return found
+
+
+def single_call_module(op: ir.Operation) -> str:
+  """StableHLO text of a module whose `main` takes `op`'s operands, runs `op` alone and returns
+  its results. The op's Shardy attributes are dropped: they may name a mesh of the program it
+  came from, and the one-call program runs on one device."""
+  with op.context, ir.Location.unknown():
+    module = ir.Module.create()
+    with ir.InsertionPoint(module.body):
+      fn_type = ir.FunctionType.get([v.type for v in op.operands], [r.type for r in op.results])
+      fn = func_dialect.FuncOp("main", fn_type)
+      fn.attributes["sym_visibility"] = ir.StringAttr.get("public")
+      block = fn.add_entry_block()
+      with ir.InsertionPoint(block):
+        call = op.clone()
+        for i, arg in enumerate(block.arguments):
+          call.operands[i] = arg
+        for name in [call.attributes[i].name for i in range(len(call.attributes))]:
+          if name.startswith("sdy.") or name == "mhlo.sharding":
+            del call.attributes[name]
+        func_dialect.ReturnOp(call.results)
+    return str(module)
+
+
+def compile_single_call(text: str, device: jax.Device):
+  """The one-call program `text` compiled for `device` (a loaded executable)."""
+  client = device.client
+  options = jex.backend.get_compile_options(num_replicas=1, num_partitions=1)
+  return client.compile_and_load(text, [device], options)
+
+
+def prewarm_kernels(lowered: Iterable[jax.stages.Lowered], device: jax.Device,
+                    targets: Sequence[str] = MOSAIC_GPU_TARGETS) -> dict:
+  """Compiles each distinct kernel call of the `lowered` programs with `targets` as a one-call
+  program for `device`, one after the other (jaxlib's Mosaic GPU cache compiles one kernel at a
+  time anyway). Returns {'kernels': how many compiled, 'seconds', 'errors': [message, ...]}."""
+  start = time.perf_counter()
+  texts = []
+  try:
+    for program in lowered:
+      texts.extend(single_call_module(op)
+                   for op in kernel_calls(program.compiler_ir("stablehlo"), targets))
+  except Exception as e:  # e.g. a jaxlib whose MLIR bindings differ; XLA compiles them as before
+    logging.warning("kernel_prewarm: could not read the programs' kernel calls (XLA compiles "
+                    "the kernels itself): %s: %s", type(e).__name__, e)
+    return dict(kernels=0, seconds=time.perf_counter() - start, errors=[f"{type(e).__name__}: {e}"])
+  errors = []
+  for text in texts:
+    try:
+      compile_single_call(text, device)
+    except Exception as e:  # XLA compiles the kernel itself then; the program is unaffected
+      errors.append(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+  seconds = time.perf_counter() - start
+  if errors:
+    logging.warning("kernel_prewarm: %d of %d kernels did not compile ahead of XLA (XLA compiles "
+                    "them itself): %s", len(errors), len(texts), errors[0])
+  else:
+    logging.info("kernel_prewarm: %d kernels compiled ahead of XLA in %.2f s", len(texts), seconds)
+  return dict(kernels=len(texts) - len(errors), seconds=seconds, errors=errors)
