@@ -84,8 +84,8 @@ class ModelConfig:
   mla_v_dim: int = 32
   mla_output_gate: bool = True
   # ATTENTION_IMPLS (k3jax/ops/attention.py). auto: cuDNN for rows without segment ids, tokamax's
-  # forward for packed rows on sm90+ with our Triton backward (auto_mosaic_bwd: our Mosaic GPU
-  # one), XLA (blockwise) else.
+  # forward for packed rows on sm90+ with our Mosaic GPU backward (tokamax_pallas_bwd: our Triton
+  # one), XLA (blockwise) else. auto_mosaic_bwd: the same as auto.
   attention_impl: str = "auto"
 
   # FFN and MoE (SiTU-GLU everywhere)

@@ -21,14 +21,16 @@ Implementations:
   'tokamax_pallas_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention` backward.
   'pallas'              `pallas_kernels.flash_attention` forward and backward (Triton).
   'tokamax_mosaic_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention`'s Mosaic GPU
-                        (wgmma) backward, sm90+: the fastest step (below), but its three kernels
-                        added 13.5 s to small.gin's cold start-up on an H200 host (61.9 -> 75.4 s,
-                        RESULTS.md run 31), so 'auto' does not pick it yet.
+                        (wgmma) backward, sm90+: the fastest step (below).
   'auto'                on an NVIDIA GPU with bf16/fp16 self-attention: 'cudnn' without segment
                         ids; with them on sm90+, 'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row
-                        and 'tokamax_pallas_bwd' above; 'xla' otherwise (CPU, positions, fp32).
-  'auto_mosaic_bwd'     'auto', with 'tokamax_mosaic_bwd' in place of 'tokamax_pallas_bwd'
-                        (medium.gin's: a faster step for a slower cold start-up).
+                        and 'tokamax_mosaic_bwd' above; 'xla' otherwise (CPU, positions, fp32).
+                        (Until run 32 'auto' took 'tokamax_pallas_bwd' above AUTO_TOKAMAX_MAX_T:
+                        the Mosaic kernels' compile, one after the other at the end of XLA's, added
+                        13.5 s to small.gin's cold start-up. `k3jax.kernel_prewarm` now compiles
+                        them beside XLA's HLO passes: +1.2 s, for a 1.5 % faster small.gin step.)
+  'auto_mosaic_bwd'     the same as 'auto' (run 31's name for it, when 'auto' kept the Triton
+                        backward; configs that name it keep working).
 Measured on an H200 at MLA's head dims (RESULTS.md, runs 9 and 16), forward+backward ms: T = 8192
 with one document, tokamax 1.52, tokamax + Pallas backward 2.09; 4 rows of 8192 with three
 documents each, tokamax 4.61, tokamax + Pallas backward 3.73; T = 65536 with 8 documents, tokamax 62.7
@@ -126,7 +128,7 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
         return "xla"
       if q.shape[1] <= AUTO_TOKAMAX_MAX_T:
         return "tokamax"
-      return "tokamax_pallas_bwd" if implementation == "auto" else "tokamax_mosaic_bwd"
+      return "tokamax_mosaic_bwd"
     return "cudnn" if _gpu_unusable_reason(q, v, (8, 0)) is None else "xla"
   if has_positions:
     raise ValueError(f"implementation={implementation!r} takes no q_positions/kv_positions "

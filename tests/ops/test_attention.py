@@ -357,8 +357,8 @@ def test_xla_blockwise_grad_inside_scan_stacks_no_block_pairs():
 
 
 def test_auto_choices_on_a_hopper_gpu(monkeypatch):
-  """The implementations 'auto' and 'auto_mosaic_bwd' resolve to on an sm90 GPU (the capability
-  patched in): tokamax's stock backward for short packed rows, then the Triton or the Mosaic GPU
+  """The implementations 'auto' and its synonym 'auto_mosaic_bwd' resolve to on an sm90 GPU (the
+  capability patched in): tokamax's stock backward for short packed rows, then the Mosaic GPU
   backward; cuDNN without segment ids; XLA with positions."""
   from k3jax.ops import attention as attention_lib
   monkeypatch.setattr(attention_gpu, "compute_capability", lambda: (9, 0))
@@ -368,7 +368,7 @@ def test_auto_choices_on_a_hopper_gpu(monkeypatch):
     return (jax.ShapeDtypeStruct((2, t, 12, 192), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, t, 12, 128), jnp.bfloat16))
 
-  for impl, long_rows in (("auto", "tokamax_pallas_bwd"),
+  for impl, long_rows in (("auto", "tokamax_mosaic_bwd"),
                           ("auto_mosaic_bwd", "tokamax_mosaic_bwd")):
     assert resolve(impl, *rows(8192), has_segments=True, has_positions=False) == long_rows
     assert resolve(impl, *rows(4096), has_segments=True, has_positions=False) == "tokamax"
