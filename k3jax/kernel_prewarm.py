@@ -33,15 +33,20 @@ MOSAIC_GPU_TARGETS = ("mosaic_gpu_v2", "mosaic_gpu")
 
 
 def _config_key(op: ir.Operation) -> str:
-  """The part of a custom call's backend config that tells kernels apart: a Mosaic GPU call's
-  `kernel_hash` (its config also holds the whole kernel module, hundreds of KB to print), else
-  the whole config."""
-  if "backend_config" not in op.attributes:
-    return ""
-  config = op.attributes["backend_config"]
-  if isinstance(config, ir.DictAttr) and "kernel_hash" in config:
-    return str(config["kernel_hash"])
-  return str(config)
+  """The part of a custom call's backend config that tells kernels apart. A typed-FFI call (API
+  version 4, as Mosaic GPU's) keeps its attributes in the dictionary `mhlo.backend_config` and
+  an empty `backend_config`; a Mosaic GPU call's `kernel_hash` there names its kernel (the
+  dictionary also holds the whole kernel module, hundreds of KB to print)."""
+  parts = []
+  for name in ("backend_config", "mhlo.backend_config"):
+    if name not in op.attributes:
+      continue
+    config = op.attributes[name]
+    if isinstance(config, ir.DictAttr) and "kernel_hash" in config:
+      parts.append(f"{name}.kernel_hash={config['kernel_hash']}")
+    else:
+      parts.append(f"{name}={config}")
+  return "\n".join(parts)
 
 
 def kernel_calls(module: ir.Module, targets: Sequence[str]) -> list[ir.Operation]:

@@ -35,6 +35,17 @@ def test_kernel_calls_one_per_distinct_call():
   assert kernel_prewarm.kernel_calls(lowered.compiler_ir("stablehlo"), ("no_such_target",)) == []
 
 
+def test_kernel_calls_tells_typed_ffi_calls_apart_by_their_attributes():
+  """Calls of one typed-FFI target with equal types are different kernels when their attributes
+  differ (Mosaic GPU's kernel_hash sits in `mhlo.backend_config`, `backend_config` is empty)."""
+  def call(x, kernel_hash):
+    return jax.ffi.ffi_call("k3jax_test_kernel", jax.ShapeDtypeStruct(x.shape, x.dtype))(
+        x, kernel_hash=kernel_hash)
+  lowered = jax.jit(lambda x: call(x, "a") + call(x, "b") + call(x, "a")).lower(jnp.ones((3,)))
+  calls = kernel_prewarm.kernel_calls(lowered.compiler_ir("stablehlo"), ("k3jax_test_kernel",))
+  assert len(calls) == 2
+
+
 def test_single_call_program_computes_the_call():
   """The cut-out call, compiled and run alone, gives what the call gives inside its program
   (LAPACK's packed LU factors: the program's L below the diagonal)."""
