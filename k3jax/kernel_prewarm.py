@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+import threading
 from typing import Iterable, Sequence
 
 from absl import logging
@@ -127,3 +128,17 @@ def prewarm_kernels(lowered: Iterable[jax.stages.Lowered], device: jax.Device,
   else:
     logging.info("kernel_prewarm: %d kernels compiled ahead of XLA in %.2f s", len(texts), seconds)
   return dict(kernels=len(texts) - len(errors), seconds=seconds, errors=errors)
+
+
+def compile_lowered(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+  """`lowered.compile()`; on a GPU with its Mosaic GPU kernels compiled on a thread beside it
+  (`prewarm_kernels`), joined before returning."""
+  if jax.default_backend() != "gpu":
+    return lowered.compile()
+  thread = threading.Thread(target=prewarm_kernels, args=([lowered], jax.local_devices()[0]),
+                            name="k3jax-kernel-prewarm", daemon=True)
+  thread.start()
+  try:
+    return lowered.compile()
+  finally:
+    thread.join()

@@ -35,6 +35,7 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from k3jax import kernel_prewarm
 from k3jax import sharding as sharding_lib
 
 # What a program's name says in messages, e.g. "train step of stage 3 (1048576 tokens)".
@@ -177,7 +178,9 @@ class Precompiler:
 
   def _compile(self, name, lowered, lower_s) -> dict:
     t0 = time.perf_counter()
-    compiled = lowered.compile()
+    # A host-loop step (microbatch.HostLoopLowered) starts its own kernel prewarm.
+    compiled = (kernel_prewarm.compile_lowered(lowered) if isinstance(lowered, jax.stages.Lowered)
+                else lowered.compile())
     report = {"lower_s": round(lower_s, 2), "compile_s": round(time.perf_counter() - t0, 2)}
     programs = getattr(compiled, "programs", {name: compiled})  # the host micro-batch loop's
     need = 0
