@@ -68,11 +68,16 @@ def test_single_call_program_computes_the_call():
 
 
 def test_prewarm_kernels_compiles_each_distinct_call_once():
+  """Once per kernel across programs and calls: what `compiled` records is skipped (jaxlib's
+  cache holds it already)."""
   lowered = _lu_program()
+  compiled = kernel_prewarm.CompiledKernels()
   report = kernel_prewarm.prewarm_kernels([lowered, lowered], jax.devices()[0],
-                                          _lapack_targets(lowered))
-  # Each program is read on its own: two programs of two kernels each.
-  assert report["kernels"] == 4 and report["errors"] == []
+                                          _lapack_targets(lowered), compiled)
+  assert (report["kernels"], report["known"], report["errors"]) == (2, 0, [])
+  again = kernel_prewarm.prewarm_kernels([lowered], jax.devices()[0], _lapack_targets(lowered),
+                                         compiled)
+  assert (again["kernels"], again["known"], again["errors"]) == (0, 2, [])
 
 
 def test_call_inside_shard_map_compiles_alone():
@@ -86,8 +91,9 @@ def test_call_inside_shard_map_compiles_alone():
   lowered = jax.jit(f).lower(x)
   (call,) = kernel_prewarm.kernel_calls(lowered.compiler_ir("stablehlo"), _lapack_targets(lowered))
   assert str(call.operands[0].type) == "tensor<3x3xf32>"
-  report = kernel_prewarm.prewarm_kernels([lowered], jax.devices()[0], _lapack_targets(lowered))
-  assert report == dict(kernels=1, seconds=report["seconds"], errors=[])
+  report = kernel_prewarm.prewarm_kernels([lowered], jax.devices()[0], _lapack_targets(lowered),
+                                          kernel_prewarm.CompiledKernels())
+  assert (report["kernels"], report["errors"]) == (1, [])
 
 
 def test_prewarm_kernels_reports_a_call_that_does_not_compile():
@@ -97,9 +103,12 @@ def test_prewarm_kernels_reports_a_call_that_does_not_compile():
     return jax.ffi.ffi_call("k3jax_test_unregistered_kernel",
                             jax.ShapeDtypeStruct(x.shape, x.dtype))(x)
   lowered = jax.jit(f).lower(jnp.ones((3,)))
+  compiled = kernel_prewarm.CompiledKernels()
   report = kernel_prewarm.prewarm_kernels([lowered], jax.devices()[0],
-                                          ("k3jax_test_unregistered_kernel",))
+                                          ("k3jax_test_unregistered_kernel",), compiled)
   assert report["kernels"] == 0
+  assert kernel_prewarm.kernel_key(kernel_prewarm.kernel_calls(
+      lowered.compiler_ir("stablehlo"), ("k3jax_test_unregistered_kernel",))[0]) not in compiled
   assert len(report["errors"]) == 1 and report["errors"][0]
 
 
