@@ -17,8 +17,8 @@ is compiled by XLA as before (the failure is logged).
 from __future__ import annotations
 
 import hashlib
-import time
 import threading
+import time
 from typing import Iterable, Sequence
 
 from absl import logging

@@ -106,9 +106,9 @@ def _tokamax_mask(segment_ids: Optional[jax.Array], t: int, causal: bool):
   return mask_cls(k_start=start[:, None, :], k_end=end[:, None, :])
 
 
-# Jitted (as the other kernels' entry points are): the MLA layers of a step call it with equal shapes,
-# and JAX then traces it, lowers its Mosaic GPU and Triton kernels and differentiates it once for
-# all of them, not once per layer.
+# Jitted (as the other kernels' entry points are): the MLA layers of a step call it with equal
+# shapes, and JAX then traces it, lowers its Mosaic GPU and Triton kernels and differentiates it
+# once for all of them, not once per layer (RESULTS.md, run 32).
 @kernel_entry_point("scale", "causal", "vjp_config")
 def tokamax_attention(q, k, v, segment_ids: Optional[jax.Array], *, scale: float,
                       causal: bool, vjp_config: Optional[tuple[int, ...]] = None) -> jax.Array:
