@@ -35,6 +35,7 @@ KDA_BACKENDS = ("auto", "xla", "pallas")
 # The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
 # k3jax.ops.kernel_choice.
 KERNEL_CHOICES = ("auto", "xla", "pallas")
+# ModelConfig.attention_impl's names (k3jax.ops.attention.IMPLEMENTATIONS is this list).
 ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas",
                    "tokamax_mosaic_bwd", "auto_mosaic_bwd")
 REMAT_POLICIES = ("none", "full", "dots")

@@ -49,12 +49,13 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import sharding
+from k3jax.config import ATTENTION_IMPLS
 from k3jax.ops import attention_gpu
 from k3jax.ops.attention_blockwise import blockwise_attention, blockwise_max_logits
 from pallas_kernels.flash_attention import MosaicBwdConfig
 
-IMPLEMENTATIONS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas",
-                   "tokamax_mosaic_bwd", "auto_mosaic_bwd")
+# The names ModelConfig.attention_impl accepts (one list, k3jax.config's).
+IMPLEMENTATIONS = ATTENTION_IMPLS
 
 # XLA path: tokens per query / key block. A block step holds B·H·Q_BLOCK·KV_BLOCK fp32 logits.
 DEFAULT_Q_BLOCK = 512
@@ -126,9 +127,7 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
     if has_segments:
       if _gpu_unusable_reason(q, v, (9, 0)) is not None:
         return "xla"
-      if q.shape[1] <= AUTO_TOKAMAX_MAX_T:
-        return "tokamax"
-      return "tokamax_mosaic_bwd"
+      return "tokamax" if q.shape[1] <= AUTO_TOKAMAX_MAX_T else "tokamax_mosaic_bwd"
     return "cudnn" if _gpu_unusable_reason(q, v, (8, 0)) is None else "xla"
   if has_positions:
     raise ValueError(f"implementation={implementation!r} takes no q_positions/kv_positions "
