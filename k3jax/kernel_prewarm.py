@@ -16,6 +16,7 @@ is compiled by XLA as before (the failure is logged).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import threading
 import time
@@ -169,15 +170,23 @@ def prewarm_kernels(lowered: Iterable[jax.stages.Lowered], device: jax.Device,
   return dict(kernels=len(todo) - len(errors), known=known, seconds=seconds, errors=errors)
 
 
-def compile_lowered(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
-  """`lowered.compile()`; on a GPU with its Mosaic GPU kernels compiled on a thread beside it
-  (`prewarm_kernels`), joined before returning."""
+@contextlib.contextmanager
+def beside(lowered: Sequence[jax.stages.Lowered]):
+  """On a GPU backend, `prewarm_kernels(lowered)` on a thread of its own while the block runs
+  (the block compiles those programs), joined when it ends; elsewhere nothing."""
   if jax.default_backend() != "gpu":
-    return lowered.compile()
-  thread = threading.Thread(target=prewarm_kernels, args=([lowered], jax.local_devices()[0]),
+    yield
+    return
+  thread = threading.Thread(target=prewarm_kernels, args=(list(lowered), jax.local_devices()[0]),
                             name="k3jax-kernel-prewarm", daemon=True)
   thread.start()
   try:
-    return lowered.compile()
+    yield
   finally:
     thread.join()
+
+
+def compile_lowered(lowered: jax.stages.Lowered) -> jax.stages.Compiled:
+  """`lowered.compile()`, with its Mosaic GPU kernels compiled `beside` it."""
+  with beside([lowered]):
+    return lowered.compile()

@@ -458,22 +458,16 @@ class HostLoopLowered:
     On a GPU the programs' Mosaic GPU kernels are also compiled on a thread of their own while
     XLA runs the programs' HLO passes (`kernel_prewarm`): XLA would compile them one after the
     other at the end of the gradients' compile."""
-    prewarm = jax.default_backend() == "gpu"
-    workers = len(self._lowered) + len(self._deferred) + int(prewarm)
-    with concurrent.futures.ThreadPoolExecutor(workers,
-                                               thread_name_prefix="k3jax-host-loop") as pool:
+    workers = len(self._lowered) + len(self._deferred)
+    # The deferred programs (the optimizer update) hold no Mosaic GPU kernels.
+    with (kernel_prewarm.beside(list(self._lowered.values())),
+          concurrent.futures.ThreadPoolExecutor(workers,
+                                                thread_name_prefix="k3jax-host-loop") as pool):
       futures = {name: pool.submit(lowered.compile) for name, lowered in self._lowered.items()}
-      if prewarm:
-        # The deferred programs (the optimizer update) hold no Mosaic GPU kernels.
-        kernels = pool.submit(kernel_prewarm.prewarm_kernels, list(self._lowered.values()),
-                              jax.local_devices()[0])
       for name, lowered in self.programs.items():
         if name not in futures:
           futures[name] = pool.submit(lowered.compile)
-      compiled = HostLoopCompiled({name: future.result() for name, future in futures.items()})
-      if prewarm:
-        kernels.result()
-      return compiled
+      return HostLoopCompiled({name: future.result() for name, future in futures.items()})
 
 
 class HostLoopCompiled:

@@ -112,5 +112,33 @@ def test_prewarm_kernels_reports_a_call_that_does_not_compile():
   assert len(report["errors"]) == 1 and report["errors"][0]
 
 
+def test_beside_prewarms_on_a_thread_during_the_block_on_a_gpu(monkeypatch):
+  """`beside` runs `prewarm_kernels` on the given programs on another thread while its block runs
+  (on a GPU backend, patched in here), and returns only once that thread is done; on the CPU it
+  starts nothing."""
+  import threading
+  calls, release = [], threading.Event()
+
+  def fake_prewarm(lowered, device):
+    calls.append((list(lowered), device, threading.current_thread().name))
+    release.wait(5)
+
+  monkeypatch.setattr(kernel_prewarm, "prewarm_kernels", fake_prewarm)
+  lowered = _lu_program()
+  with kernel_prewarm.beside([lowered]):
+    pass
+  assert calls == []                       # the CPU backend
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  with kernel_prewarm.beside([lowered]):
+    for _ in range(500):
+      if calls:
+        break
+      threading.Event().wait(0.01)
+    assert len(calls) == 1 and calls[0][0] == [lowered]
+    assert calls[0][2] != threading.current_thread().name
+    release.set()
+  assert not any(t.name == "k3jax-kernel-prewarm" for t in threading.enumerate())
+
+
 if __name__ == "__main__":
   pytest.main([__file__, "-v"])
