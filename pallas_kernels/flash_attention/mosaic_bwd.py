@@ -40,6 +40,9 @@ _LOG2E = math.log2(math.e)
 _ROWS = plgpu.Layout.WGMMA.reduce(1)   # a vector along a wgmma tile's rows
 _COLS = plgpu.Layout.WGMMA.reduce(0)   # ... along its columns
 _TILE_ROWS = 8
+# A kernel's grid axes, and its warpgroup axis (the compute warpgroups and the memory one).
+_GRID = ("batch", "heads", "tiles")
+_WG = "wg"
 DKV_KERNELS = ("triton", "mosaic", "mosaic_split")
 
 
@@ -141,14 +144,51 @@ def _block_ranges(k_lo, k_hi, block: int):
           jnp.min(k_hi.reshape(b, t // block, block), axis=-1).astype(jnp.int32))
 
 
+def _program_index():
+  """(batch row, head, tile, warpgroup) of the running program and warpgroup."""
+  return tuple(lax.axis_index(name) for name in _GRID + (_WG,))
+
+
+def _warp_specialized(step, cfg: MosaicBwdConfig, *, grid, compute_context, in_specs):
+  """Both kernels' pipeline: a memory warpgroup streams the `in_specs` blocks `cfg.num_stages`
+  ahead into shared memory; each of the `cfg.compute_wgs` compute warpgroups runs `step` on them
+  and releases each block itself once its matmuls have read it."""
+  return plgpu.emit_pipeline_warp_specialized(
+      step,
+      grid=grid,
+      max_concurrent_steps=cfg.num_stages,
+      num_compute_wgs=cfg.compute_wgs,
+      memory_registers=40,
+      wg_axis=_WG,
+      manual_consumed_barriers=True,
+      compute_context=compute_context,
+      in_specs=in_specs,
+  )
+
+
+def _mask_where_straddling(s, key0: int, block_k: int, inner_lo, inner_hi, key_axis: int,
+                           ranges):
+  """The logits `s` of a block of keys key0.. (along `key_axis`) and queries (the other axis),
+  with -inf where a key is outside its query's [k_lo, k_hi); `ranges()` gives those two query
+  vectors. Masks only when the key block is not inside every query's range ([inner_lo,
+  inner_hi): `_block_ranges`)."""
+
+  def masked():
+    lo, hi = ranges()
+    key = key0 + plgpu.broadcasted_iota(jnp.int32, s.shape, key_axis, layout=plgpu.Layout.WGMMA)
+    query_axis = [1 - key_axis]
+    seen = (key >= lax.broadcast_in_dim(lo, s.shape, query_axis)) & (
+        key < lax.broadcast_in_dim(hi, s.shape, query_axis))
+    return jnp.where(seen, s, -jnp.inf)
+
+  return lax.cond((key0 < inner_lo) | (key0 + block_k > inner_hi), masked, lambda: s)
+
+
 def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem, khi_gmem,
                first_gmem, last_gmem, inner_lo_gmem, inner_hi_gmem, dq_gmem,
                q_smems, do_smems, ds_smems, barriers, *, cfg: MosaicBwdConfig, scale: float,
                groups: int):
-  bi = lax.axis_index("batch")
-  hi = lax.axis_index("heads")
-  ti = lax.axis_index("tiles")
-  wg = lax.axis_index("wg")
+  bi, hi, ti, wg = _program_index()
   bq, bk = cfg.block_q_dq, cfg.block_k_dq
   dtype = q_gmem.dtype
   qb = ti * cfg.compute_wgs + wg            # this warpgroup's query block
@@ -193,13 +233,7 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem, 
     acc = plgpu.ACC((bq, bk), jnp.float32)
     s, dp = pl.run_scoped(logits_and_dp, acc, acc)
 
-    def masked():
-      cols = key0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 1, layout=plgpu.Layout.WGMMA)
-      seen = (cols >= lax.broadcast_in_dim(klo, s.shape, [0])) & (
-          cols < lax.broadcast_in_dim(khi, s.shape, [0]))
-      return jnp.where(seen, s, -jnp.inf)
-
-    s = lax.cond((key0 < inner_lo) | (key0 + bk > inner_hi), masked, lambda: s)
+    s = _mask_where_straddling(s, key0, bk, inner_lo, inner_hi, 1, lambda: (klo, khi))
     p = jnp.exp2(s * (scale * _LOG2E) - lax.broadcast_in_dim(lse, s.shape, [0]))
     ds = (p * (dp - lax.broadcast_in_dim(delta, s.shape, [0]))).astype(dtype)
     if ds_smem is None:
@@ -213,15 +247,8 @@ def _dq_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem, 
     return carry
 
   d, dv = k_gmem.shape[-1], v_gmem.shape[-1]
-  plgpu.emit_pipeline_warp_specialized(
-      step,
-      grid=(last - first,),
-      max_concurrent_steps=cfg.num_stages,
-      num_compute_wgs=cfg.compute_wgs,
-      memory_registers=40,
-      wg_axis="wg",
-      manual_consumed_barriers=True,
-      compute_context=compute_thread,
+  _warp_specialized(
+      step, cfg, grid=(last - first,), compute_context=compute_thread,
       in_specs=[_block_spec((bk, dv), v_gmem.dtype, lambda i: (first + i, 0)),
                 _block_spec((bk, d), k_gmem.dtype, lambda i: (first + i, 0))],
   )(v_rows, k_rows)
@@ -234,10 +261,7 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
   and v tiles' shared memory, P's (None: from registers) and the barriers."""
   outs = dict(zip(parts, refs[:len(parts)]))
   k_smems, v_smems, p_smems, barriers = refs[len(parts):]
-  bi = lax.axis_index("batch")
-  hk = lax.axis_index("heads")
-  ti = lax.axis_index("tiles")
-  wg = lax.axis_index("wg")
+  bi, hk, ti, wg = _program_index()
   bq, bk = cfg.block_q_dkv, cfg.block_k_dkv
   dtype = k_gmem.dtype
   key0 = (ti * cfg.compute_wgs + wg) * bk
@@ -284,16 +308,12 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
     acc = plgpu.ACC((bk, bq), jnp.float32)
     s, lse, delta = pl.run_scoped(logits, acc)
 
-    def masked():
-      klo = plgpu.load(klo_gmem.at[bi, queries], layout=_COLS, optimized=False)
-      khi = plgpu.load(khi_gmem.at[bi, queries], layout=_COLS, optimized=False)
-      key = key0 + plgpu.broadcasted_iota(jnp.int32, s.shape, 0, layout=plgpu.Layout.WGMMA)
-      seen = (key >= lax.broadcast_in_dim(klo, s.shape, [1])) & (
-          key < lax.broadcast_in_dim(khi, s.shape, [1]))
-      return jnp.where(seen, s, -jnp.inf)
+    def ranges():  # the block's queries' key ranges, read only where a mask is needed
+      return (plgpu.load(klo_gmem.at[bi, queries], layout=_COLS, optimized=False),
+              plgpu.load(khi_gmem.at[bi, queries], layout=_COLS, optimized=False))
 
-    inner_lo, inner_hi = inner_lo_gmem[bi, qb], inner_hi_gmem[bi, qb]
-    s = lax.cond((key0 < inner_lo) | (key0 + bk > inner_hi), masked, lambda: s)
+    s = _mask_where_straddling(s, key0, bk, inner_lo_gmem[bi, qb], inner_hi_gmem[bi, qb], 0,
+                               ranges)
     p32 = jnp.exp2(s * (scale * _LOG2E) - lax.broadcast_in_dim(lse, s.shape, [1]))
     p = p32.astype(dtype)
 
@@ -336,15 +356,8 @@ def _dkv_kernel(q_gmem, k_gmem, v_gmem, do_gmem, lse_gmem, delta_gmem, klo_gmem,
     return lambda i, g: index_map(first + i, hk * groups + g)
 
   q_rows, do_rows = q_gmem.at[bi], do_gmem.at[bi]
-  plgpu.emit_pipeline_warp_specialized(
-      step,
-      grid=(last - first, groups),
-      max_concurrent_steps=cfg.num_stages,
-      num_compute_wgs=cfg.compute_wgs,
-      memory_registers=40,
-      wg_axis="wg",
-      manual_consumed_barriers=True,
-      compute_context=compute_thread,
+  _warp_specialized(
+      step, cfg, grid=(last - first, groups), compute_context=compute_thread,
       in_specs=[
           _block_spec((bq, None, d), q_gmem.dtype, query_block(lambda qb, h: (qb, h, 0))),
           _block_spec((bq, None, dv), do_gmem.dtype, query_block(lambda qb, h: (qb, h, 0))),
@@ -367,7 +380,7 @@ def _shapes(q, k, v, cfg: MosaicBwdConfig) -> tuple[int, ...]:
 
 def _launch(cfg: MosaicBwdConfig) -> dict:
   return dict(compiler_params=plgpu.CompilerParams(approx_math=True),
-              num_threads=cfg.compute_wgs + 1, thread_name="wg",
+              num_threads=cfg.compute_wgs + 1, thread_name=_WG,
               interpret=plgpu.InterpretGPUParams() if cfg.interpret else None)
 
 
@@ -385,7 +398,7 @@ def mosaic_flash_dq(q, k, v, dout, lse, delta, k_lo, k_hi, *, scale: float,
       out_type=jax.ShapeDtypeStruct(q.shape, q.dtype),
       scratch_types=[_smem((wgs, bq, d), q.dtype), _smem((wgs, bq, dv), dout.dtype), ds_scratch,
                      plgpu.Barrier(num_barriers=wgs, num_arrivals=2)],
-      grid=(b, h, t // cfg.tile_q), grid_names=("batch", "heads", "tiles"),
+      grid=(b, h, t // cfg.tile_q), grid_names=_GRID,
       kernel_name="flash_ranges_dq_mosaic", **_launch(cfg),
   )(q, k, v, dout, lse, delta, k_lo, k_hi, first, last, inner_lo, inner_hi)
 
@@ -409,7 +422,7 @@ def mosaic_flash_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale
         out_type=tuple(shapes[part] for part in parts),
         scratch_types=[_smem((wgs, bk, d), k.dtype), _smem((wgs, bk, dv), v.dtype), p_scratch,
                        plgpu.Barrier(num_barriers=wgs, num_arrivals=2)],
-        grid=(b, hk, s // cfg.tile_k), grid_names=("batch", "heads", "tiles"),
+        grid=(b, hk, s // cfg.tile_k), grid_names=_GRID,
         kernel_name=f"flash_ranges_{''.join(parts)}_mosaic", **_launch(cfg),
     )(q, k, v, dout, lse, delta, k_lo, k_hi, first, last, inner_lo, inner_hi)
 
