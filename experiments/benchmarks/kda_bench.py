@@ -17,7 +17,7 @@ With --stages, each Pallas kernel is first timed alone over launch candidates an
 (`STAGE_LAUNCHES`, `INTRA_BK`, `GATE_BK`, `DENSE_BLOCKS`, the scans' V blocks; --sweep picks the
 kernels; `gate_fwd_alone`, `intra_fwd_alone` and `scan_out_fwd` are the kernels of the forward
 alone, whose scan forms the outputs) and the end-to-end timings use the fastest
-(`kernels.Tuning`); --tuning overrides fields;
+(`config.Tuning`); --tuning overrides fields;
 --segments adds the segment-id path. Correctness runs with and without segment ids.
 
 Run: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/kda_bench.py
@@ -42,7 +42,12 @@ import numpy as np  # noqa: E402
 from k3jax.flops import kda_chunk_flops  # noqa: E402
 from k3jax.ops import kda as kda_ops  # noqa: E402
 from pallas_kernels.kda import chunk_kda as pallas_chunk_kda  # noqa: E402
-from pallas_kernels.kda import kernels as kk  # noqa: E402
+from pallas_kernels.kda.backward import dense_bwd, intra_bwd, scan_bwd  # noqa: E402
+from pallas_kernels.kda.config import KernelConfig, Tuning, default_tuning  # noqa: E402
+from pallas_kernels.kda.gate import gate_fwd  # noqa: E402
+from pallas_kernels.kda.intra_chunk import intra_fwd, wy_fwd  # noqa: E402
+from pallas_kernels.kda.output import out_fwd  # noqa: E402
+from pallas_kernels.kda.scan import scan_fwd, scan_out_fwd  # noqa: E402
 
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (1, 131072, 16, 128), (2, 8192, 32, 128)]
 LB = -5.0
@@ -275,7 +280,7 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   """Times each kernel alone (bounded fused gate, q/k norm in gate_fwd, bf16) over the launch
   candidates; returns the fastest `Tuning` (scans_only: sweep only the two sequential scans, keep
   `base` for the rest). Kernels not in `sweep` run once with `base` (default:
-  `kernels.default_tuning`)."""
+  `config.default_tuning`)."""
   x = make_inputs(B, T, H, D)
   bf = lambda a: jnp.asarray(a, jnp.bfloat16)
   q, k, v, graw, beta, do = (bf(x[n]) for n in ("q", "k", "v", "graw", "beta", "do"))
@@ -285,14 +290,14 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   first = jnp.broadcast_to((jnp.arange(nt) == 0).astype(jnp.int32), (B, nt))
   last = jnp.broadcast_to((jnp.arange(nt) == nt - 1).astype(jnp.int32), (B, nt))
   h0 = jnp.zeros((B + 1, H, D, D), jnp.float32)
-  best = dict(dataclasses.asdict(base or kk.default_tuning(B * H, D, D)))
+  best = dict(dataclasses.asdict(base or default_tuning(B * H, D, D)))
   row = dict(kind="stages", B=B, T=T, H=H, D=D)
 
   def cfg_for(**over):
-    return kk.KernelConfig(chunk=64, scale=D ** -0.5, mm_dtype=jnp.bfloat16, exact_diag=False,
-                           gate="bounded", lower_bound=LB, interpret=False,
-                           state_dtype=jnp.bfloat16, qk_l2norm=True,
-                           tuning=kk.Tuning(**dict(best, **over)))
+    return KernelConfig(chunk=64, scale=D ** -0.5, mm_dtype=jnp.bfloat16, exact_diag=False,
+                        gate="bounded", lower_bound=LB, interpret=False,
+                        state_dtype=jnp.bfloat16, qk_l2norm=True,
+                        tuning=Tuning(**dict(best, **over)))
 
   def stage(name, fn, args, variants, keep_pick=True):
     """variants: list of Tuning overrides; keeps the fastest in `best` (unless not `keep_pick`: a
@@ -332,40 +337,40 @@ def bench_stages(B, T, H, D, scans_only=False, base=None, sweep=STAGES):
   # q, k are raw: gate_fwd normalises them; in a training forward it also writes the normalised
   # qn, kn, which the backward's kernels (run with qk_l2norm off) read.
   G, qg, kb, kg, rq, rk, qn, kn = stage(
-      "gate_fwd", functools.partial(kk.gate_fwd, normalized=True), (q, k, graw, beta, a_log, dt),
+      "gate_fwd", functools.partial(gate_fwd, normalized=True), (q, k, graw, beta, a_log, dt),
       gate_variants if not scans_only else [{}])
-  X, P, M = stage("intra_fwd", functools.partial(kk.intra_fwd, rq=rq, rk=rk), (q, k, G, beta),
+  X, P, M = stage("intra_fwd", functools.partial(intra_fwd, rq=rq, rk=rk), (q, k, G, beta),
                   blocked("intra_fwd", "intra_fwd_bk") if not scans_only else [{}])
-  W, U = stage("wy_fwd", kk.wy_fwd, (kb, v, beta, M), keep("wy_fwd"))
-  vn, hs, ht = stage("scan_fwd", kk.scan_fwd, (kg, G, W, U, h0, seq, first, last),
+  W, U = stage("wy_fwd", wy_fwd, (kb, v, beta, M), keep("wy_fwd"))
+  vn, hs, ht = stage("scan_fwd", scan_fwd, (kg, G, W, U, h0, seq, first, last),
                      scan_variants("scan_fwd", "bv_fwd"))
-  stage("out_fwd", functools.partial(kk.out_fwd, out_dtype=v.dtype), (qg, hs, P, vn),
+  stage("out_fwd", functools.partial(out_fwd, out_dtype=v.dtype), (qg, hs, P, vn),
         keep("out_fwd"))
   # The forward alone: gate_fwd without qn, kn (on the training forward's launch and K block),
   # intra_fwd without X (M in bf16), then the scan that forms the outputs and stores no residuals
   # (it shares scan_fwd's launch and V block, which stay scan_fwd's pick).
-  stage("gate_fwd_alone", kk.gate_fwd, (q, k, graw, beta, a_log, dt), [{}])
+  stage("gate_fwd_alone", gate_fwd, (q, k, graw, beta, a_log, dt), [{}])
   P1, M1 = stage("intra_fwd_alone",
-                 functools.partial(kk.intra_fwd, residuals=False, rq=rq, rk=rk), (q, k, G, beta),
+                 functools.partial(intra_fwd, residuals=False, rq=rq, rk=rk), (q, k, G, beta),
                  [{}])
-  W1, U1 = kk.wy_fwd(cfg_for(), kb, v, beta, M1)
-  stage("scan_out_fwd", functools.partial(kk.scan_out_fwd, out_dtype=v.dtype),
+  W1, U1 = wy_fwd(cfg_for(), kb, v, beta, M1)
+  stage("scan_out_fwd", functools.partial(scan_out_fwd, out_dtype=v.dtype),
         (kg, G, W1, U1, qg, P1, h0, seq, first, last),
         scan_variants("scan_out_fwd", "bv_fwd", "scan_fwd_launch"), keep_pick=False)
   cfg_bwd = lambda cfg: dataclasses.replace(cfg, qk_l2norm=False)
-  dhs, dvn, _ = stage("scan_bwd", kk.scan_bwd,
+  dhs, dvn, _ = stage("scan_bwd", scan_bwd,
                       (qg, kg, G, W, P, do, jnp.zeros_like(h0), seq, first, last),
                       scan_variants("scan_bwd", "bv_bwd"))
   dP, dX, dq, dk, dG, dv, db = stage(
-      "dense_bwd", lambda cfg, *a: kk.dense_bwd(cfg_bwd(cfg), *a),
+      "dense_bwd", lambda cfg, *a: dense_bwd(cfg_bwd(cfg), *a),
       (qn, kn, v, beta, G, vn, M, X, hs, dhs, dvn, do),
       [{"dense_bwd_launch": l, "dense_bwd_bv": bv, "dense_bwd_bk": bk}
        for l in STAGE_LAUNCHES["dense_bwd"] for bv, bk in DENSE_BLOCKS if bv <= D and bk <= D]
       if not scans_only else [{}])
-  stage("intra_bwd", lambda cfg, *a: kk.intra_bwd(cfg_bwd(cfg), *a[:-4], norm=a[-4:]),
+  stage("intra_bwd", lambda cfg, *a: intra_bwd(cfg_bwd(cfg), *a[:-4], norm=a[-4:]),
         (qn, kn, graw, G, dP, dX, dq, dk, dG, a_log, dt, q, k, rq, rk),
         blocked("intra_bwd", "intra_bwd_bk") if not scans_only else [{}])
-  tuning = kk.Tuning(**best)
+  tuning = Tuning(**best)
   row["best"] = {n: list(v) if isinstance(v, tuple) else v for n, v in best.items()}
   fwd_sum = lambda names: round(sum(min(row[n + "_ms"].values()) for n in names), 3)
   row["sum_best_train_fwd_ms"] = fwd_sum(("gate_fwd", "intra_fwd", "wy_fwd", "scan_fwd",
@@ -392,9 +397,9 @@ def main():
                  help="skip the XLA path above this many tokens per row (memory / time)")
   p.add_argument("--sweep", default=",".join(STAGES),
                  help="with --stages, the kernels whose launch candidates are swept (the others "
-                      "run once with kernels.default_tuning)")
+                      "run once with config.default_tuning)")
   p.add_argument("--tuning", default="",
-                 help="JSON of kernels.Tuning fields that replace kernels.default_tuning's at "
+                 help="JSON of config.Tuning fields that replace config.default_tuning's at "
                       "every shape (e.g. '{\"bv_fwd\": 16}', or the 'best' of an earlier "
                       "--stages run)")
   a = p.parse_args()
@@ -406,7 +411,7 @@ def main():
   tuned = {}
   if a.tuning:
     fields = {n: tuple(v) if isinstance(v, list) else v for n, v in json.loads(a.tuning).items()}
-    tuned = {s: dataclasses.replace(kk.default_tuning(s[0] * s[2], s[3], s[3]), **fields)
+    tuned = {s: dataclasses.replace(default_tuning(s[0] * s[2], s[3], s[3]), **fields)
              for s in shapes}
   if a.stages:
     sweep = tuple(a.sweep.split(","))
@@ -424,7 +429,7 @@ def main():
       scan_fields = ("scan_fwd_launch", "scan_bwd_launch", "bv_fwd", "bv_bwd")
       tuned = {}
       for B, T, H, D in shapes:
-        default = kk.default_tuning(B * H, D, D)
+        default = default_tuning(B * H, D, D)
         tuned[(B, T, H, D)] = dataclasses.replace(
             wide, **{f: getattr(default, f) for f in scan_fields})
   if not a.skip_correctness:

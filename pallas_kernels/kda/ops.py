@@ -9,16 +9,16 @@ states costs T/C·H·K·V elements but spares the backward a second sequential s
 stage with the least parallelism. Without a gradient (`_forward` with residuals=False) none of
 this is written beyond what the forward itself reads back.
 
-q/k L2 norm (`use_qk_l2norm`): inside gate_fwd (and intra_fwd's tiles, see `kernels.py`), not an
-XLA pass before the kernels; a training forward's gate_fwd also writes the normalised q, k (the
+q/k L2 norm (`use_qk_l2norm`): inside gate_fwd (and intra_fwd's tiles, see the `gate` module), not
+an XLA pass before the kernels; a training forward's gate_fwd also writes the normalised q, k (the
 backward's kernels read them) and the norms, with which gate_bwd forms the norm's gradient.
 
 Packing: `cu_seqlens` aligns each sequence to the chunk grid (its own initial / final state);
 `segment_ids` keeps the tokens where they are and resets the state inside chunks (document masks in
-the kernels, see `kernels.py`).
+the kernels, see the `common` module).
 
-Gate policy (the diagonal 16×16 sub-tiles are the only place where a gate bound matters, see
-`kernels.py`):
+Gate policy (the diagonal 16×16 sub-tiles are the only place where a gate bound matters, see the
+`intra_chunk` module):
 - fused bounded gate (`A_log` given, `-5 <= lower_bound < 0`): factored dense tiles (fast path).
 - fused bounded gate with `lower_bound < -5`, or fused softplus gate (`A_log` given, `lower_bound`
   None, unbounded below): exact pairwise diagonal tiles, statically.
@@ -35,7 +35,12 @@ import jax
 from jax import lax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import kernels as kk
+from pallas_kernels.kda.backward import dense_bwd, intra_bwd, scan_bwd
+from pallas_kernels.kda.config import BC, KernelConfig, default_tuning
+from pallas_kernels.kda.gate import gate_fwd
+from pallas_kernels.kda.intra_chunk import intra_fwd, wy_fwd
+from pallas_kernels.kda.output import out_fwd
+from pallas_kernels.kda.scan import scan_fwd, scan_out_fwd
 
 # A factored diagonal tile multiplies e^{G_i - r} by e^{r - G_j}, r the tile's first row: the second
 # factor reaches e^{15·|g|max}. With |g| <= 5 that is e^75, inside fp32/bf16 range (max ≈ e^88.7).
@@ -61,19 +66,19 @@ def _forward(cfg, residuals, q, k, v, g, beta, h0, a_log, dt_bias, seq, first, l
   itself instead of storing Vn and the per-chunk states for out_fwd (RESULTS.md, run 6: 0.41 vs
   0.65 ms for scan + out_fwd at (8, 4096, 16, 128))."""
   norm = cfg.qk_l2norm
-  outs = kk.gate_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg, normalized=residuals and norm)
+  outs = gate_fwd(cfg, q, k, g, beta, a_log, dt_bias, dseg=dseg, normalized=residuals and norm)
   G, qg, kb, kg = outs[:4]
   rq, rk = outs[4:6] if norm else (None, None)
   if residuals:
-    X, P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg, rq=rq, rk=rk)
+    X, P, M = intra_fwd(cfg, q, k, G, beta, dseg=dseg, rq=rq, rk=rk)
   else:
-    P, M = kk.intra_fwd(cfg, q, k, G, beta, dseg=dseg, residuals=False, rq=rq, rk=rk)
-  W, U = kk.wy_fwd(cfg, kb, v, beta, M)
+    P, M = intra_fwd(cfg, q, k, G, beta, dseg=dseg, residuals=False, rq=rq, rk=rk)
+  W, U = wy_fwd(cfg, kb, v, beta, M)
   if not residuals:
-    return kk.scan_out_fwd(cfg, kg, G, W, U, qg, P, h0, seq, first, last, dseg=dseg,
-                           out_dtype=v.dtype)
-  vn, hs, ht = kk.scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=dseg)
-  o = kk.out_fwd(cfg, qg, hs, P, vn, v.dtype)
+    return scan_out_fwd(cfg, kg, G, W, U, qg, P, h0, seq, first, last, dseg=dseg,
+                        out_dtype=v.dtype)
+  vn, hs, ht = scan_fwd(cfg, kg, G, W, U, h0, seq, first, last, dseg=dseg)
+  o = out_fwd(cfg, qg, hs, P, vn, v.dtype)
   # The backward's kernels read the normalised q, k; the norm's own gradient (in gate_bwd) the
   # raw ones and the reciprocal norms.
   qn, kn = outs[6:8] if norm else (q, k)
@@ -89,11 +94,11 @@ def _core_bwd(cfg, res, cts):
    dseg) = res
   cfg = dataclasses.replace(cfg, qk_l2norm=False)  # the backward's kernels read qn, kn
   do, dht = cts
-  dhs, dvn, dh0 = kk.scan_bwd(cfg, qg, kg, G, W, P, do, dht.astype(jnp.float32), seq, first, last,
-                              dseg=dseg)
-  dP, dX, dqp, dkp, dGp, dv, dbeta = kk.dense_bwd(cfg, qn, kn, v, beta, G, vn, M, X, hs, dhs, dvn,
-                                                  do, dseg=dseg)
-  outs = kk.intra_bwd(cfg, qn, kn, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias, norm=norm_res)
+  dhs, dvn, dh0 = scan_bwd(cfg, qg, kg, G, W, P, do, dht.astype(jnp.float32), seq, first, last,
+                           dseg=dseg)
+  dP, dX, dqp, dkp, dGp, dv, dbeta = dense_bwd(cfg, qn, kn, v, beta, G, vn, M, X, hs, dhs, dvn,
+                                               do, dseg=dseg)
+  outs = intra_bwd(cfg, qn, kn, g, G, dP, dX, dqp, dkp, dGp, a_log, dt_bias, norm=norm_res)
   dq, dk, dg = outs[:3]
   if cfg.gate == "none":
     da, ddt = None, None
@@ -168,8 +173,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     dt_bias: [H*K] or [H, K] fp32 gate bias (zeros if None); only with `A_log`.
     lower_bound: with `A_log`, g = lower_bound·sigmoid(exp(A_log)·(g + dt_bias)) (-5 recommended);
       None selects the unbounded g = -exp(A_log)·softplus(g + dt_bias).
-    tuning: `kernels.Tuning` launch parameters of the compiled kernels (None =
-      `kernels.default_tuning`).
+    tuning: `config.Tuning` launch parameters of the compiled kernels (None =
+      `config.default_tuning`).
     qkv_zero_at_padding: q, k and v are already zero at padding tokens: only g and beta are
       masked (`k3jax.ops.kda.chunk_kda` says more).
 
@@ -186,8 +191,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     raise ValueError(f"beta must be [B, T, H] = {(B, T, H)}; got {beta.shape}")
   V = v.shape[-1]
   C = int(chunk_size)
-  if C < kk.BC or C % kk.BC:
-    raise ValueError(f"chunk_size must be a positive multiple of {kk.BC}; got {chunk_size}")
+  if C < BC or C % BC:
+    raise ValueError(f"chunk_size must be a positive multiple of {BC}; got {chunk_size}")
   if interpret is None:
     interpret = jax.default_backend() == "cpu"
   if not interpret:
@@ -285,12 +290,12 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
 
   low_precision = q.dtype != jnp.float32 or v.dtype != jnp.float32
   make_cfg = functools.partial(
-      kk.KernelConfig, chunk=C, scale=float(scale),
+      KernelConfig, chunk=C, scale=float(scale),
       mm_dtype=jnp.bfloat16 if low_precision else jnp.float32, gate=gate,
       lower_bound=float(lower_bound) if lower_bound is not None else 0.0,
       interpret=bool(interpret), state_dtype=jnp.bfloat16 if low_precision else jnp.float32,
       segmented=dseg is not None, qk_l2norm=bool(use_qk_l2norm),
-      tuning=kk.default_tuning(B * H, K, V) if tuning is None else tuning)
+      tuning=default_tuning(B * H, K, V) if tuning is None else tuning)
   if dseg is not None:
     # Documents numbered within each chunk relative to the token before it, so that 0 is the
     # document the incoming state belongs to (a chunk that starts with a reset has no 0).

@@ -10,7 +10,7 @@ import pytest
 
 from k3jax.ops.kda import kda_gate, l2_normalize, recurrent_kda
 from pallas_kernels.kda import chunk_kda
-from pallas_kernels.kda import kernels as kk
+from pallas_kernels.kda.config import Tuning
 from testlib import error_ratio
 
 
@@ -164,8 +164,8 @@ def test_kernels_in_k_and_v_blocks():
   d = _inputs(B=2, T=100, H=1, K=32, V=48, seed=9)
   seg = _segments(SEGMENT_ROWS, 100)
   errs = _compare_fused(d, lower_bound=-5.0, chunk_size=64, segment_ids=seg,
-                        tuning=kk.Tuning(gate_fwd_bk=16, intra_fwd_bk=16, intra_bwd_bk=16,
-                                         dense_bwd_bv=16, dense_bwd_bk=16, bv_fwd=16, bv_bwd=16))
+                        tuning=Tuning(gate_fwd_bk=16, intra_fwd_bk=16, intra_bwd_bk=16,
+                                      dense_bwd_bv=16, dense_bwd_bk=16, bv_fwd=16, bv_bwd=16))
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   assert max(v for n, v in errs.items() if n.startswith("d")) <= 1e-4, errs
 
@@ -176,7 +176,7 @@ def test_exact_diagonal_in_k_blocks():
   d = _inputs(B=1, T=40, H=1, K=32, V=16, seed=10)
   d["A_log"] = jnp.full_like(d["A_log"], math.log(50.0))
   errs = _compare_fused(d, lower_bound=None, chunk_size=32,
-                        tuning=kk.Tuning(intra_fwd_bk=16, intra_bwd_bk=16))
+                        tuning=Tuning(intra_fwd_bk=16, intra_bwd_bk=16))
   assert errs["o"] <= 1e-5 and errs["ht"] <= 1e-5, errs
   for n in ("dq", "dk", "dv", "dbeta", "dh0"):
     assert errs[n] <= 1e-4, errs
@@ -245,9 +245,9 @@ def test_bad_arguments():
   with pytest.raises(ValueError, match="chunk_size"):
     chunk_kda(q, k, v, x, beta, chunk_size=24)
   with pytest.raises(ValueError, match="tuning.intra_fwd_bk"):
-    chunk_kda(q, k, v, x, beta, tuning=kk.Tuning(intra_fwd_bk=12))
+    chunk_kda(q, k, v, x, beta, tuning=Tuning(intra_fwd_bk=12))
   with pytest.raises(ValueError, match="tuning.gate_fwd_bk"):
-    chunk_kda(q, k, v, x, beta, tuning=kk.Tuning(gate_fwd_bk=12))
+    chunk_kda(q, k, v, x, beta, tuning=Tuning(gate_fwd_bk=12))
   with pytest.raises(ValueError, match="cu_seqlens requires B == 1"):
     chunk_kda(jnp.concatenate([q, q]), jnp.concatenate([k, k]), jnp.concatenate([v, v]),
               jnp.concatenate([x, x]), jnp.concatenate([beta, beta]),
