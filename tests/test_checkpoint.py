@@ -1,5 +1,5 @@
 """Tests of k3jax.checkpoint: round trip, retention, unfinalised directories, model-only restore,
-trees that do not fit, damaged steps, the conversion hook."""
+trees that do not fit, damaged steps, the conversion hook, layout conversion onto a mesh."""
 
 from __future__ import annotations
 
@@ -302,3 +302,162 @@ def test_runs_restore_across_the_decoder_layouts(tmp_path):
   assert "layer_1" in params and not any(is_scanned_path((k,)) for k in params)
   result = train_lib.train(old, workdir, progress=False, tensorboard=False)
   assert result.finished and result.step == 4
+
+
+# ------------------------------------------------------------------------------------------------
+# Layout conversion onto a mesh: values and shardings of every restored leaf.
+
+# tiny.gin with six layers (KDA/MLA alternating, AttnRes blocks of two): layer 0 is dense and
+# unrolled, layers 1-4 are two scanned groups of period 2 (positions layer_1 and layer_2), the
+# final MLA layer 5 is unrolled after the scan.
+_LAYOUT_BINDINGS = ["ModelConfig.num_layers = 6", "ModelConfig.mla_every = 2",
+                    "ModelConfig.attnres_block_size = 2", "ModelConfig.first_k_dense = 1"]
+_SCAN = "scanned_period_2"
+
+
+def _flat(tree) -> dict:
+  """{'opt_state/1/0/mu/layer_3/moe/w_up': leaf} of a tree (dict keys, indices, field names)."""
+  def name(key):
+    for attr in ("key", "idx", "name"):
+      if hasattr(key, attr):
+        return str(getattr(key, attr))
+    return str(key)
+  return {"/".join(name(k) for k in path): leaf
+          for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+def _scanned_place(per_layer_path: str) -> tuple[str, int | None]:
+  """Where a per-layer leaf lives in the scanned layout, written out for this test's plan:
+  layer i in 1..4 is entry g = (i-1)//2 of 'scanned_period_2/layer_{1 + (i-1)%2}'; the other
+  leaves keep their path (entry None)."""
+  parts = per_layer_path.split("/")
+  for k, part in enumerate(parts):
+    if part in ("layer_1", "layer_2", "layer_3", "layer_4"):
+      i = int(part.split("_")[1])
+      scanned = parts[:k] + [_SCAN, f"layer_{1 + (i - 1) % 2}"] + parts[k + 1:]
+      return "/".join(scanned), (i - 1) // 2
+  return per_layer_path, None
+
+
+def _random_state(model_cfg, seed):
+  """(state dict with random values for every leaf, boxed abstract variables) of `model_cfg`:
+  params, moe_state, optimizer moments (the run's AdamW) and rng, as numpy arrays."""
+  from k3jax import optim
+  from k3jax.config import OptimizerConfig
+  from k3jax.model import init_variables
+  abstract = jax.eval_shape(lambda: init_variables(model_cfg, jax.random.PRNGKey(0), 1, 16))
+  params = optim.unbox(abstract["params"])
+  optimizer, _ = optim.make_optimizer(OptimizerConfig(), 100,
+                                      optim.logical_axes(abstract["params"]))
+  shapes = {"params": params, "moe_state": optim.unbox(abstract["moe_state"]),
+            "opt_state": jax.eval_shape(optimizer.init, params),
+            "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+  rng = np.random.default_rng(seed)
+
+  def value(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return rng.standard_normal(x.shape).astype(x.dtype)
+    return rng.integers(1, 1000, size=x.shape).astype(x.dtype)
+  return jax.tree.map(value, shapes), abstract
+
+
+def _check_restored(restored, target, expected):
+  """Every restored leaf has the expected value (numpy, by path) and the target's sharding."""
+  got, want = _flat({k: restored[k] for k in target}), _flat(target)
+  assert set(got) == set(want) == set(expected)
+  for path, leaf in got.items():
+    assert leaf.dtype == expected[path].dtype, path
+    np.testing.assert_array_equal(np.asarray(leaf), expected[path], err_msg=path)
+    assert leaf.sharding == want[path].sharding, \
+        f"{path}: restored on {leaf.sharding}, target {want[path].sharding}"
+
+
+def _check_expert_shards(leaf, expected, spec, shard_shape):
+  """An expert weight really is split over the mesh: 8 shards of `shard_shape`, each holding its
+  slice of the expected value."""
+  assert leaf.sharding.spec == spec
+  shards = leaf.addressable_shards
+  assert len(shards) == 8 and len({s.device for s in shards}) == 8
+  for shard in shards:
+    assert shard.data.shape == shard_shape
+    np.testing.assert_array_equal(np.asarray(shard.data), expected[shard.index])
+
+
+def test_layout_conversion_onto_a_mesh_restores_values_and_shardings(tmp_path):
+  """A per-layer checkpoint restored into the scanned decoder on a 'data:2,expert:4' mesh with
+  FSDP rules (as train() restores it: the state's shardings as targets, `to_layout` as convert),
+  and a scanned one (saved from that mesh without FSDP) into the per-layer decoder: every leaf of
+  params, moe_state, the optimizer moments and the rng equals the source stacked / unstacked in
+  numpy here (entry g of 'scanned_period_2/layer_j' = layer j + 2g) and lies on the target's
+  sharding; an expert weight and its moment really are split over the 8 devices."""
+  from jax.sharding import PartitionSpec as P
+  from k3jax import checkpoint as checkpoint_lib
+  from k3jax import config as config_lib
+  from k3jax import sharding
+  from k3jax.model import layer_plan, to_layout
+  scan_cfg = config_lib.from_gin(["gin_configs/tiny.gin"], _LAYOUT_BINDINGS).model
+  loop_cfg = config_lib.from_gin(["gin_configs/tiny.gin"],
+                                 _LAYOUT_BINDINGS + ["ModelConfig.scan_layers = False"]).model
+  plan = layer_plan(scan_cfg)
+  assert (plan.prefix, plan.scan_name, plan.group_layers, plan.num_groups, plan.suffix) == \
+      ((0,), _SCAN, (1, 2), 2, (5,))   # what _scanned_place writes out
+  mesh = sharding.make_mesh("data:2,expert:4")
+  fsdp = sharding.logical_axis_rules(fsdp=True)
+  keys = ("params", "moe_state", "opt_state", "rng")
+  config = CheckpointConfig(keep_last=1, async_save=False)
+  meta = {"stage": 0, "seq_len": 16, "data_position": 1}
+  expert_path = f"params/{_SCAN}/layer_1/moe/w_up"
+
+  # Per-layer (as saved by a single-device run) -> scanned on the mesh.
+  loop_state, _ = _random_state(loop_cfg, seed=1)
+  scan_like, scan_abstract = _random_state(scan_cfg, seed=0)   # only its shapes are used
+  target = sharding.restore_args_for(jax.eval_shape(lambda: scan_like), scan_abstract, mesh,
+                                     fsdp)
+  specs = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(target)}
+  assert any("expert" in s for s in specs) and any("data" in s for s in specs)  # non-trivial
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "loop"), config)
+  ckpt.save(1, **jax.tree.map(jnp.asarray, loop_state), meta=meta)
+  restored = ckpt.restore_latest(**target, convert=lambda item, tree: to_layout(tree, scan_cfg))
+  ckpt.close()
+  expected, groups = {}, {}
+  for path, value in _flat(loop_state).items():
+    place, g = _scanned_place(path)
+    if g is None:
+      expected[place] = value
+    else:
+      groups.setdefault(place, {})[g] = value
+  for place, entries in groups.items():
+    assert sorted(entries) == [0, 1], place
+    expected[place] = np.stack([entries[0], entries[1]])
+  assert set(target) == set(keys) and {f"opt_state/1/0/{m}/{_SCAN}/layer_1/moe/w_up"
+                                        for m in ("mu", "nu")} <= set(expected)
+  _check_restored(restored, target, expected)
+  # [groups, experts, latent, hidden]: experts over 'expert' (4), latent over 'data' (2, FSDP).
+  _check_expert_shards(restored["params"][_SCAN]["layer_1"]["moe"]["w_up"], expected[expert_path],
+                       P(None, "expert", "data", None), (2, 2, 16, 64))
+  _check_expert_shards(restored["opt_state"][1][0].mu[_SCAN]["layer_1"]["moe"]["w_up"],
+                       expected[f"opt_state/1/0/mu/{_SCAN}/layer_1/moe/w_up"],
+                       P(None, "expert", "data", None), (2, 2, 16, 64))
+
+  # Scanned (saved from the mesh, without FSDP: the restore must re-place the leaves, not keep
+  # the saved shardings) -> per-layer on the mesh with FSDP.
+  scan_state, _ = _random_state(scan_cfg, seed=2)
+  saved, saved_on = sharding.shard_train_state(scan_state, scan_abstract, mesh)
+  assert saved_on["params"][_SCAN]["layer_1"]["moe"]["w_up"].spec == P(None, "expert", None, None)
+  loop_like, loop_abstract = _random_state(loop_cfg, seed=0)
+  target = sharding.restore_args_for(jax.eval_shape(lambda: loop_like), loop_abstract, mesh,
+                                     fsdp)
+  ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "scan"), config)
+  ckpt.save(1, **saved, meta=meta)
+  restored = ckpt.restore_latest(**target, convert=lambda item, tree: to_layout(tree, loop_cfg))
+  ckpt.close()
+  source = _flat(scan_state)
+  expected = {}
+  for path in _flat(target):
+    place, g = _scanned_place(path)
+    expected[path] = source[place] if g is None else source[place][g]
+  assert set(target) == set(keys)
+  _check_restored(restored, target, expected)
+  for path in ("params/layer_3/moe/w_up", "opt_state/1/0/nu/layer_3/moe/w_up"):
+    _check_expert_shards(_flat(restored)[path], expected[path], P("expert", "data", None),
+                         (2, 16, 64))

@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import distributed, sharding
 from k3jax.config import ModelConfig
+from k3jax.evaluate import moe_stats_by_layer
 from k3jax.model import K3Model
 from k3jax.ops import moe_ep
 from k3jax.ops.moe import routed_experts
@@ -169,6 +170,7 @@ def _batch():
 
 
 def _loss_fn(model):
+  """(params, moe_state, batch) -> ((loss, (new moe_state, sown moe_stats)), grads)."""
   def loss(params, moe_state, batch):
     logits, mutated = model.apply({"params": params, "moe_state": moe_state}, batch["inputs"],
                                   batch["segment_ids"], update_balance=True,
@@ -176,7 +178,7 @@ def _loss_fn(model):
     logp = jax.nn.log_softmax(logits, axis=-1)
     nll = -jnp.take_along_axis(logp, batch["targets"][..., None], axis=-1)[..., 0]
     ce = jnp.sum(nll * batch["loss_mask"]) / jnp.sum(batch["loss_mask"])
-    return ce, mutated["moe_state"]
+    return ce, (mutated["moe_state"], mutated["moe_stats"])
   return jax.value_and_grad(loss, has_aux=True)
 
 
@@ -202,30 +204,35 @@ def _random_variables(abstract, seed):
 # scan for the reference and three meshes would dominate the suite's run time) and runs on all
 # three meshes; the slow variant, the default 3:1 KDA/MLA hybrid, runs on the mesh with both axes
 # (KDA sees only the batch's data sharding; the expert axis is the MoE's, which the MLA variant
-# covers on every mesh). Both have MoE in layers 1-3.
+# covers on every mesh). Both have MoE in layers 1-3. 'mla16' (two gated MLA layers, MoE in
+# layer 1) has 16 experts, four per device on an expert:4 mesh of four devices: a wrong local
+# expert id shows only with several experts on a device (two on data:2,expert:4 with 8).
 MODEL_CONFIGS = {"mla": ModelConfig(vocab_size=64, d_model=32, num_layers=4, mla_every=1,
                                     moe_num_experts=8, moe_top_k=2,
                                     moe_grouped_matmul="ragged_dot"),
-                 "hybrid": TINY}
+                 "hybrid": TINY,
+                 "mla16": ModelConfig(vocab_size=64, d_model=32, num_layers=2, mla_every=1,
+                                      moe_num_experts=16, moe_top_k=2,
+                                      moe_grouped_matmul="ragged_dot")}
 _REFERENCES: dict = {}
 
 
 def _reference(kind):
-  """Single-device loss, new QB bias and gradients (computed once per config)."""
+  """Single-device loss, new QB bias, sown MoE stats and gradients (computed once per config)."""
   if kind not in _REFERENCES:
     model = K3Model(MODEL_CONFIGS[kind])
     abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(1),
                                                  jnp.zeros((B, T), jnp.int32)))
     variables = _random_variables(abstract, seed=1)
     batch = _batch()
-    (loss, new_moe), grads = jax.jit(_loss_fn(model))(variables["params"],
-                                                       variables["moe_state"], batch)
-    _REFERENCES[kind] = model, variables, batch, (loss, new_moe, grads)
+    (loss, (new_moe, stats)), grads = jax.jit(_loss_fn(model))(variables["params"],
+                                                                variables["moe_state"], batch)
+    _REFERENCES[kind] = model, variables, batch, (loss, new_moe, stats, grads)
   return _REFERENCES[kind]
 
 
 @pytest.mark.parametrize("kind,spec", [
-    ("mla", "data:8"), ("mla", "data:2,expert:4"), ("mla", "expert:8"),
+    ("mla", "data:8"), ("mla", "data:2,expert:4"), ("mla", "expert:8"), ("mla16", "expert:4"),
     pytest.param("hybrid", "data:2,expert:4", marks=pytest.mark.slow),
 ])
 def test_tiny_model_matches_single_device(kind, spec, monkeypatch):
@@ -241,23 +248,32 @@ def test_tiled_grouped_matmul_under_expert_parallelism(monkeypatch):
   _check_against_reference(K3Model(cfg), variables, batch, reference, "expert:8", monkeypatch)
 
 
+def _mesh(spec):
+  """`sharding.make_mesh(spec)` on the first devices that the spec's sizes multiply to (all 8, or
+  a sub-mesh such as 'expert:4' on four)."""
+  count = int(np.prod([int(entry.split(":")[1]) for entry in spec.split(",")]))
+  return sharding.make_mesh(spec, devices=jax.devices()[:count])
+
+
 def _check_against_reference(model, variables, batch, reference, spec, monkeypatch):
-  loss_ref, moe_ref, grads_ref = reference
+  loss_ref, moe_ref, stats_ref, grads_ref = reference
   # LatentMoE dispatches through routed_experts_auto; count the expert-parallel calls.
   calls = []
   real_ep = moe_ep.routed_experts_ep
   monkeypatch.setattr(moe_ep, "routed_experts_ep",
                       lambda *a, **kw: calls.append(1) or real_ep(*a, **kw))
 
-  mesh = sharding.make_mesh(spec)
+  mesh = _mesh(spec)
   abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(1), jnp.zeros((B, T), jnp.int32)))
   var_sh = sharding.param_shardings(abstract, mesh)
   batch_sh = sharding.batch_sharding(mesh)
+  replicated = NamedSharding(mesh, P())
   step = jax.jit(_loss_fn(model), in_shardings=(var_sh["params"], var_sh["moe_state"], batch_sh),
-                 out_shardings=((NamedSharding(mesh, P()), var_sh["moe_state"]), var_sh["params"]))
+                 out_shardings=((replicated, (var_sh["moe_state"], replicated)), var_sh["params"]))
   params = jax.device_put(variables["params"], var_sh["params"])
   with sharding.with_mesh(mesh):
-    (loss, new_moe), grads = step(params, variables["moe_state"], sharding.shard_batch(batch, mesh))
+    (loss, (new_moe, stats)), grads = step(params, variables["moe_state"],
+                                           sharding.shard_batch(batch, mesh))
 
   assert bool(calls) == (sharding.axis_size(mesh, "expert") > 1)
   w_gate_grad = grads["layer_1"]["moe"]["w_gate"]
@@ -274,6 +290,15 @@ def _check_against_reference(model, variables, batch, reference, spec, monkeypat
     assert _error_ratio(leaf, ref) <= 2e-5, jax.tree_util.keystr(path)
   for a, b in zip(jax.tree.leaves(new_moe), jax.tree.leaves(moe_ref)):
     np.testing.assert_allclose(a, b, rtol=0, atol=1e-6)
+  # The sown expert loads of every MoE layer (all devices' valid assignments) are the
+  # single-device ones, which count top_k assignments per valid (non-padding) token.
+  layers, layers_ref = moe_stats_by_layer(stats), moe_stats_by_layer(stats_ref)
+  assert layers and list(layers) == list(layers_ref), (list(layers), list(layers_ref))
+  valid_tokens = int(np.sum(batch["segment_ids"] != 0))
+  for name, layer in layers.items():
+    np.testing.assert_array_equal(np.asarray(layer["load"]), np.asarray(layers_ref[name]["load"]),
+                                  err_msg=name)
+    assert float(np.sum(layers_ref[name]["load"])) == model.config.moe_top_k * valid_tokens, name
 
 
 def test_pallas_kda_runs_per_batch_shard_under_a_mesh(monkeypatch):

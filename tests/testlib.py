@@ -63,3 +63,41 @@ def write_xspace(folder, text_proto: str) -> str:
   run.mkdir(parents=True)
   (run / "host.xplane.pb").write_bytes(ProfileData.text_proto_to_serialized_xspace(text_proto))
   return str(folder)
+
+
+def segment_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
+                      zero_padding: bool = False):
+  """Dense fp32 attention whose mask is built from the segment ids alone, by comparison (never
+  from `attention_gpu.key_ranges` / `document_bounds`, which the kernels are given): query t sees
+  key s iff seg[t] == seg[s] and (not causal or s <= t).
+
+  q [B, T, H, D], k [B, T, Hk, D], v [B, T, Hk, Dv] (GQA: query head i reads key head
+  i // (H / Hk)), segment_ids [B, T] int -> [B, T, H, Dv] fp32. Every query sees at least itself.
+  zero_padding: zero the outputs of the padding queries (segment 0), as
+  `attention_gpu.pallas_attention` does (through `jnp.where`, so their gradients are zero too);
+  without it a padding run is attended as a document of its own, as the kernel-level
+  `flash_attention` does with the ranges of `key_ranges`. With each id in one run per row (the
+  tests' inputs), this equals attention over maximal runs of equal ids.
+  """
+  import jax
+  import jax.numpy as jnp
+  h, hk = q.shape[2], k.shape[2]
+  assert h % hk == 0, (h, hk)
+  f32 = lambda x: jnp.asarray(x).astype(jnp.float32)
+  seg = jnp.asarray(segment_ids)
+  kh = jnp.repeat(f32(k), h // hk, axis=2)
+  vh = jnp.repeat(f32(v), h // hk, axis=2)
+  logits = jnp.einsum("bthd,bshd->bhts", f32(q), kh,
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  seen = seg[:, :, None] == seg[:, None, :]                                  # [B, T, S]
+  if causal:
+    t = seg.shape[1]
+    seen = seen & (jnp.arange(t)[None, :, None] >= jnp.arange(t)[None, None, :])
+  logits = jnp.where(seen[:, None], logits, -jnp.inf)
+  m = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))       # finite: s = t
+  p = jnp.exp(logits - m)
+  p = p / jnp.sum(p, axis=-1, keepdims=True)
+  out = jnp.einsum("bhts,bshv->bthv", p, vh, precision=jax.lax.Precision.HIGHEST)
+  if zero_padding:
+    out = jnp.where((seg != 0)[:, :, None, None], out, 0.0)
+  return out

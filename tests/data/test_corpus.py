@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import socket
 import sys
 import sysconfig
 
@@ -204,9 +205,25 @@ def test_missing_optional_library_names_pip_package(monkeypatch, tmp_path, name,
     tokenizers.make_tokenizer(name, "")
 
 
-def test_tiktoken_local_file(tmp_path):
-  pytest.importorskip("tiktoken")
+@pytest.fixture
+def offline(monkeypatch):
+  """No network: every name lookup and socket connection fails (the tokenizers read local model
+  files only; a download would end the test with this AssertionError)."""
+  def refuse(*args, **kwargs):
+    raise AssertionError(f"network access attempted: {args!r}")
+  monkeypatch.setattr(socket, "getaddrinfo", refuse)
+  monkeypatch.setattr(socket.socket, "connect", refuse)
+  monkeypatch.setattr(socket.socket, "connect_ex", refuse)
+  monkeypatch.setattr(socket, "create_connection", refuse)
+
+
+def test_tiktoken_local_file(tmp_path, monkeypatch, offline):
+  # tiktoken and sentencepiece are test dependencies (setup.cfg's [test] extra): no skip.
   import base64
+  import tiktoken  # noqa: F401
+  # tiktoken copies a file it reads into its cache folder (default under the system temp
+  # folder, keyed by the path): this test's own, empty at the start.
+  monkeypatch.setenv("TIKTOKEN_CACHE_DIR", str(tmp_path / "tiktoken_cache"))
   merges = [bytes([i]) for i in range(256)] + [b"th", b"the", b" the"]
   path = tmp_path / "tiny.tiktoken"
   path.write_text("".join(f"{base64.b64encode(m).decode()} {r}\n" for r, m in enumerate(merges)))
@@ -223,8 +240,8 @@ def test_tiktoken_local_file(tmp_path):
   assert c.tokenizer.decode(c.train_tokens) + c.tokenizer.decode(c.valid_tokens) == text * 20
 
 
-def test_sentencepiece_local_model(tmp_path):
-  spm = pytest.importorskip("sentencepiece")
+def test_sentencepiece_local_model(tmp_path, offline):
+  import sentencepiece as spm
   corpus_file = tmp_path / "train.txt"
   corpus_file.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog"
                                    for i in range(300)))

@@ -386,7 +386,8 @@ def _args(B=1, T=8, H=2, K=4, V=6):
               g=jnp.zeros((B, T, H, K)), beta=jnp.zeros((B, T, H)))
 
 
-@pytest.mark.parametrize("override,name", [
+# Bad arguments that both chunk_kda and recurrent_kda take ...
+_BAD_SHARED = [
     ({"q": jnp.zeros((8, 2, 4))}, "q"),
     ({"k": jnp.zeros((1, 8, 2, 5))}, "k"),
     ({"v": jnp.zeros((1, 7, 2, 6))}, "v"),
@@ -401,13 +402,20 @@ def _args(B=1, T=8, H=2, K=4, V=6):
      "initial_state"),
     ({"segment_ids": jnp.zeros((1, 7), jnp.int32)}, "segment_ids"),
     ({"scale": -1.0}, "scale"),
+]
+# ... and those of the arguments that only chunk_kda has.
+_BAD_CHUNK_ONLY = [
     ({"chunk_size": 24}, "chunk_size"),
     ({"backend": "cuda"}, "backend"),
-])
-@pytest.mark.parametrize("fn", [kda.chunk_kda, kda.recurrent_kda])
+]
+
+
+@pytest.mark.parametrize("fn,override,name", [
+    pytest.param(fn, override, name, id=f"{fn.__name__}-{name}-{i}")
+    for fn, cases in ((kda.chunk_kda, _BAD_SHARED + _BAD_CHUNK_ONLY),
+                      (kda.recurrent_kda, _BAD_SHARED))
+    for i, (override, name) in enumerate(cases)])
 def test_bad_arguments_raise(fn, override, name):
-  if fn is kda.recurrent_kda and name in ("chunk_size", "backend"):
-    pytest.skip("chunk_kda-only argument")
   kwargs = {**_args(), **override}
   with pytest.raises(ValueError, match=name):
     fn(**kwargs)

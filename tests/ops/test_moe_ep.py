@@ -21,29 +21,43 @@ BETAS = dict(beta1=4.0, beta2=25.0)
 N, LATENT, HIDDEN, E, K = 64, 16, 24, 8, 2
 
 
-def _problem(seed=0, n=N, skew=0.0, valid_frac=0.8):
+def _problem(seed=0, n=N, skew=0.0, valid_frac=0.8, experts=E):
   """Random tokens, top-k routing and expert weights (numpy, so that no test compiles for it)."""
   rng = np.random.default_rng(seed)
   z = rng.standard_normal((n, LATENT)).astype(np.float32)
   # skew > 0 favours low expert ids, so that some (source, destination) pairs overflow.
-  scores = 1 / (1 + np.exp(-(rng.standard_normal((n, E)) - skew * np.arange(E))))
+  scores = 1 / (1 + np.exp(-(rng.standard_normal((n, experts)) - skew * np.arange(experts))))
   idx = np.argsort(-scores, axis=1, kind="stable")[:, :K].astype(np.int32)
   w = np.take_along_axis(scores, idx, axis=1)
   w = (w / w.sum(axis=1, keepdims=True)).astype(np.float32)
-  w_gate, w_up = (0.3 * rng.standard_normal((2, E, LATENT, HIDDEN))).astype(np.float32)
-  w_out = (0.3 * rng.standard_normal((E, HIDDEN, LATENT))).astype(np.float32)
+  w_gate, w_up = (0.3 * rng.standard_normal((2, experts, LATENT, HIDDEN))).astype(np.float32)
+  w_out = (0.3 * rng.standard_normal((experts, HIDDEN, LATENT))).astype(np.float32)
   valid = rng.random(n) < valid_frac
   return z, idx, w, w_gate, w_up, w_out, valid
 
 
-@pytest.mark.parametrize("spec,grouped", [("expert:8", "ragged_dot"),
-                                          ("data:2,expert:4", "ragged_dot"),
-                                          ("data:2,expert:4", "tokamax")])
-def test_ep_dropless_matches_single_device(spec, grouped):
+def _mesh(spec):
+  """`sharding.make_mesh(spec)` on the first devices that the spec's sizes multiply to (all 8, or
+  a sub-mesh such as 'expert:4' on four)."""
+  count = math.prod(int(entry.split(":")[1]) for entry in spec.split(","))
+  return sharding.make_mesh(spec, devices=jax.devices()[:count])
+
+
+# Experts per device: 1 (8 on expert:8), 2 (8 on data:2,expert:4; 16 on expert:8) and 4 (16 on
+# expert:4, a four-device sub-mesh): a wrong local expert id inside a device shows only with > 1.
+@pytest.mark.parametrize("spec,grouped,experts", [("expert:8", "ragged_dot", 8),
+                                                  ("data:2,expert:4", "ragged_dot", 8),
+                                                  ("data:2,expert:4", "tokamax", 8),
+                                                  ("expert:4", "ragged_dot", 16),
+                                                  ("expert:8", "ragged_dot", 16)])
+def test_ep_dropless_matches_single_device(spec, grouped, experts):
   """EP (with the grouped matmul `grouped` inside the shard_map) against the single-device path
-  with jax.lax.ragged_dot: values, the gradients of z, router weights and expert weights."""
-  z, idx, w, wg, wu, wo, valid = _problem()
-  mesh = sharding.make_mesh(spec)
+  with jax.lax.ragged_dot: values, the gradients of z, router weights and expert weights; the
+  loads, and the rows each device receives (a numpy count of the valid assignments routed to
+  its experts)."""
+  z, idx, w, wg, wu, wo, valid = _problem(experts=experts)
+  mesh = _mesh(spec)
+  num_ep = sharding.axis_size(mesh, "expert")
 
   def loss(fn, z, w, wg, wu, wo):
     y, stats = fn(z, idx, w, wg, wu, wo, valid=valid, **BETAS)
@@ -59,6 +73,12 @@ def test_ep_dropless_matches_single_device(spec, grouped):
   for a, b in zip(g_ep, g_ref):
     assert _error_ratio(a, b) <= 1e-5
   np.testing.assert_array_equal(st_ep["load"], st_ref["load"])
+  # Rows received per device: its E/n consecutive experts' loads, against a count of the valid
+  # assignments whose expert lives there (all devices of the 'data' axis together).
+  per_device = np.asarray(st_ep["load"]).reshape(num_ep, experts // num_ep).sum(axis=1)
+  device_of = idx // (experts // num_ep)
+  want_rows = [int(np.sum((device_of == d) & valid[:, None])) for d in range(num_ep)]
+  np.testing.assert_array_equal(per_device, want_rows)
   assert int(st_ep["dropped"]) == 0
   # Padding rows produce zero.
   assert np.all(np.asarray(y_ep)[~np.asarray(valid)] == 0)

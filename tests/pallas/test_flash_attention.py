@@ -1,4 +1,7 @@
-"""pallas_kernels.flash_attention (interpret mode on CPU) against dense fp32 references."""
+"""pallas_kernels.flash_attention (interpret mode on CPU) against dense fp32 references.
+
+The references (`testlib.segment_attention`) mask by comparing segment ids, not with the ranges
+of `attention_gpu.key_ranges` that the kernels are given: a wrong range fails here."""
 from __future__ import annotations
 
 import functools
@@ -11,7 +14,7 @@ import pytest
 from k3jax.ops import attention_gpu
 from pallas_kernels.flash_attention import FlashConfig, flash_attention, reference_attention
 from pallas_kernels.flash_attention.kernels import head_pieces
-from testlib import error_ratio
+from testlib import error_ratio, segment_attention
 
 # Small tiles so that short rows span several blocks of both kernels' loops.
 CFG = FlashConfig(block_q=16, block_k=32, block_q_dkv=32, block_k_dkv=16, interpret=True)
@@ -33,7 +36,7 @@ def test_matches_reference_with_grads(hk, causal):
   q, k, v, do = _inputs(2, 100, 4, hk, 24, 12)
   ranges = attention_gpu.key_ranges(jnp.asarray(SEG), causal)
   run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=0.3, config=CFG)
-  ref = lambda q, k, v: reference_attention(q, k, v, ranges[0], ranges[1], scale=0.3)
+  ref = lambda q, k, v: segment_attention(q, k, v, SEG, causal=causal, scale=0.3)
   out, vjp = jax.vjp(run, q, k, v)
   want, vjp_ref = jax.vjp(ref, q, k, v)
   assert error_ratio(out, want) < 1e-5
@@ -56,7 +59,7 @@ def test_head_dim_in_pieces_matches_reference(d):
   q, k, v, do = _inputs(2, 100, 4, 2, d, 16, seed=4)
   ranges = attention_gpu.key_ranges(jnp.asarray(SEG), True)
   run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=d ** -0.5, config=CFG)
-  ref = lambda q, k, v: reference_attention(q, k, v, ranges[0], ranges[1], scale=d ** -0.5)
+  ref = lambda q, k, v: segment_attention(q, k, v, SEG, causal=True, scale=d ** -0.5)
   out, vjp = jax.vjp(run, q, k, v)
   want, vjp_ref = jax.vjp(ref, q, k, v)
   assert error_ratio(out, want) < 1e-5
@@ -74,7 +77,7 @@ def test_skips_blocks_outside_the_ranges():
   run = lambda q, k, v: flash_attention(q, k, v, *ranges, scale=0.25, config=CFG)
   out, vjp = jax.vjp(run, q, k_bad, v_bad)
   dq, dk, dv = vjp(do.at[:, :64].set(0.0))
-  want = reference_attention(q, k, v, ranges[0], ranges[1], scale=0.25)
+  want = segment_attention(q, k, v, seg, causal=True, scale=0.25)
   assert error_ratio(out[:, 64:], want[:, 64:]) < 1e-5
   for x in (dq[:, 64:], dk[:, 64:], dv[:, 64:]):
     assert np.all(np.isfinite(np.asarray(x)))
@@ -86,14 +89,8 @@ def test_document_attention_through_attention_gpu():
   b, t, h, d, dv = 2, 100, 2, 32, 16
   q, k, v, do = _inputs(b, t, h, h, d, dv, seed=2)
   seg = jnp.asarray(SEG)
-  mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0) & jnp.tril(
-      jnp.ones((t, t), bool))[None]
-  cols = jnp.arange(t)
-
-  def dense(q, k, v):
-    ranges = (jnp.argmax(mask, axis=-1), jnp.where(mask.any(-1), cols + 1, 0))
-    return reference_attention(q, k, v, *ranges, scale=d ** -0.5)
-
+  dense = lambda q, k, v: segment_attention(q, k, v, SEG, causal=True, scale=d ** -0.5,
+                                            zero_padding=True)
   bf = lambda *xs: [x.astype(jnp.bfloat16) for x in xs]
   run = lambda q, k, v: attention_gpu.pallas_attention(q, k, v, seg, scale=d ** -0.5, causal=True,
                                                        forward="pallas", config=CFG)
@@ -143,4 +140,9 @@ def test_caller_forward_reads_segment_ids_as_an_argument():
   got = grad(q, k, v, seg, fwd)
   want = grad(q, k, v, seg, None)
   for name, a, b in zip("qkv", got, want):
+    assert error_ratio(a, b) < 1e-5, name
+  # ... and both are the gradients of the dense attention over the documents.
+  ref = jax.grad(lambda q, k, v: jnp.sum(segment_attention(q, k, v, seg, causal=True, scale=0.25)
+                                         * do), argnums=(0, 1, 2))(q, k, v)
+  for name, a, b in zip("qkv", want, ref):
     assert error_ratio(a, b) < 1e-5, name

@@ -2,7 +2,8 @@
 
 The interpreter runs the kernels' warpgroups, barriers, TMA copies and wgmma with P and dS staged
 through shared memory (`register_operands=False`; the GPU feeds them from registers, checked on
-the H200 by experiments/benchmarks/attention_bench.py's numerics rows).
+the H200 by experiments/benchmarks/attention_bench.py's numerics rows). The references
+(`testlib.segment_attention`) mask by comparing segment ids, not with the kernels' ranges.
 """
 from __future__ import annotations
 
@@ -12,10 +13,9 @@ import numpy as np
 import pytest
 
 from k3jax.ops import attention_gpu
-from pallas_kernels.flash_attention import (FlashConfig, MosaicBwdConfig, flash_attention,
-                                            reference_attention)
+from pallas_kernels.flash_attention import FlashConfig, MosaicBwdConfig, flash_attention
 from pallas_kernels.flash_attention import mosaic_bwd
-from testlib import error_ratio
+from testlib import error_ratio, segment_attention
 
 # dk/dv in one Mosaic kernel, in two (the default), or in the Triton kernel.
 MOSAIC = MosaicBwdConfig(dkv="mosaic", register_operands=False, interpret=True)
@@ -37,10 +37,10 @@ def _grads(q, k, v, do, seg, mosaic, causal=True):
 
 
 def _reference_grads(q, k, v, do, seg, causal=True):
-  ranges = attention_gpu.key_ranges(jnp.asarray(seg), causal)
+  """fp32 gradients of the dense attention masked by segment-id comparison (a padding run
+  attends as a document of its own, as in the kernel-level `flash_attention`)."""
   f32 = lambda x: x.astype(jnp.float32)
-  ref = lambda q, k, v: reference_attention(q, k, v, ranges[0], ranges[1],
-                                            scale=q.shape[-1] ** -0.5)
+  ref = lambda q, k, v: segment_attention(q, k, v, seg, causal=causal, scale=q.shape[-1] ** -0.5)
   return jax.vjp(ref, f32(q), f32(k), f32(v))[1](f32(do))
 
 
