@@ -1,20 +1,31 @@
 """The run's configuration: plain frozen dataclasses, bound by gin, validated once.
 
-One `Config` object describes a whole run (model, data, optimizer, stages, mesh, checkpoints,
-evaluation). Every dataclass below is gin-configurable under its class name, so a gin file says e.g.
+One `Config` object describes a whole run. Its parts keep three kinds of setting apart:
+
+  what is computed   ModelConfig (the K3 decoder's shapes and options), DataConfig,
+                     OptimizerConfig, StagesConfig (the staged context extension), EvalConfig
+  how it is computed ImplConfig: kernels and implementations, activation memory and compile-time
+                     trade-offs; none of them changes the parameters or the math (only roundings)
+  how it runs        RuntimeConfig (the micro-batch loop's programs, background compiles),
+                     MeshConfig, CheckpointConfig
+
+Every dataclass below is gin-configurable under its class name, so a gin file says e.g.
 
     ModelConfig.d_model = 256
+    ImplConfig.remat = 'full'
     StagesConfig.stages = ((512, 100), (4096, 50))
 
 `from_gin(gin_files, bindings)` parses the files and bindings, builds the `Config`, and validates it:
-every bad field raises `ConfigError` naming the field and what is allowed. After `from_gin` returns
-the config is plain data; nothing else reads gin.
+every bad field raises `ConfigError` naming the field and what is allowed; a setting that names a
+field which has moved (`MOVED_FIELDS`) names its new place. After `from_gin` returns the config is
+plain data; nothing else reads gin. `to_gin(cfg)` writes the bindings that rebuild it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any, Optional, Sequence
 
 import gin
@@ -35,9 +46,9 @@ KDA_BACKENDS = ("auto", "xla", "pallas")
 # The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
 # k3jax.ops.kernel_choice.
 KERNEL_CHOICES = ("auto", "xla", "pallas")
-# ModelConfig.attention_impl's names (k3jax.ops.attention.IMPLEMENTATIONS is this list).
-ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_pallas_bwd", "pallas",
-                   "tokamax_mosaic_bwd", "auto_mosaic_bwd")
+# ImplConfig.attention_impl's names (`k3jax.ops.attention.attention` takes these).
+ATTENTION_IMPLS = ("auto", "xla", "cudnn", "tokamax", "tokamax_mosaic_bwd")
+GROUPED_MATMULS = ("auto", "tokamax", "ragged_dot", "tiled")
 REMAT_POLICIES = ("none", "full", "dots")
 PRECOMPILE_MODES = ("auto", "on", "off")
 MICROBATCH_LOOPS = ("scan", "host")
@@ -46,10 +57,11 @@ MICROBATCH_LOOPS = ("scan", "host")
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-  """Shapes and options of the K3 decoder.
+  """Shapes and options of the K3 decoder: what it computes and which parameters it has.
 
   Layer i (1-based) is MLA when `i % mla_every == 0` or `i == num_layers`; otherwise KDA. Layers
   1..first_k_dense use the dense SiTU-GLU FFN, the rest the LatentMoE (when moe_num_experts > 0).
+  How the decoder is computed (kernels, remat, the scan over layers) is `ImplConfig`.
   """
   vocab_size: int = 257           # byte tokenizer: 256 bytes + BOS
   d_model: int = 64
@@ -68,13 +80,9 @@ class ModelConfig:
   kda_conv_size: int = 4
   kda_gate_rank: int = 0          # 0: full-rank decay-gate projection; >0: low-rank through this width
   kda_gate_lower_bound: Optional[float] = -5.0   # None: the unbounded softplus gate (ablation)
+  # The chunked algorithm's chunk: part of what the model computes in FLOPs (`k3jax.model.flops`),
+  # while every chunk size gives the same outputs up to rounding.
   kda_chunk_size: int = 64
-  kda_backend: str = "auto"       # auto | xla | pallas
-  # The short convs' forward and backward: 'xla' (fused XLA ops), 'pallas' (Pallas kernels that
-  # sweep the tokens a row at a time, pallas_kernels/short_conv; interpreted on CPU; under a mesh
-  # each device runs them on its own rows) or 'auto' (pallas on a GPU, else xla;
-  # k3jax.ops.kernel_choice). RESULTS.md runs 23, 26, 28.
-  kda_conv_backward: str = "auto"
 
   # Gated MLA
   mla_num_heads: int = 2
@@ -84,10 +92,6 @@ class ModelConfig:
   mla_qk_rope_dim: int = 16       # never rotated (NoPE); kept for shape fidelity
   mla_v_dim: int = 32
   mla_output_gate: bool = True
-  # ATTENTION_IMPLS (k3jax/ops/attention.py). auto: cuDNN for rows without segment ids, tokamax's
-  # forward for packed rows on sm90+ with our Mosaic GPU backward (tokamax_pallas_bwd: our Triton
-  # one), XLA (blockwise) else. auto_mosaic_bwd: the same as auto.
-  attention_impl: str = "auto"
 
   # FFN and MoE (SiTU-GLU everywhere)
   situ_beta1: float = 4.0
@@ -105,50 +109,17 @@ class ModelConfig:
   moe_balance: str = "quantile"   # quantile | loss_free | aux_loss | none
   moe_qb_rate: float = 1.0        # rho in b <- b - rho * t
   # 'per_expert': each expert's bar is the score it must beat to enter the token's top-k (k-th
-  # largest for outsiders, (k+1)-th for chosen); 'token': the spec's single (k+1)-th-largest cutoff.
+  # largest for outsiders, (k+1)-th for chosen); 'token': K3's single (k+1)-th-largest cutoff.
   moe_qb_cutoff: str = "per_expert"
   moe_qb_histogram_bins: int = 0  # 0: exact sort-based quantile; >0: all-reduced histograms
   moe_qb_interval: int = 1        # update the QB bias every N steps
   moe_loss_free_rate: float = 1e-3
   moe_aux_loss_coef: float = 1e-2
   moe_capacity_factor: float = 0.0  # 0: dropless; >0: per-expert capacity = factor * balanced load
-  # 'auto' | 'tokamax' | 'ragged_dot' | 'tiled' (k3jax.ops.moe.default_ragged_dot). auto: tokamax
-  # (Mosaic GPU kernels for bf16/f16 on compute capability 9.x, else 'tiled') on GPU, 'tiled'
-  # on CPU (XLA:CPU's dense ragged_dot under tokamax is 2x slower), ragged_dot on TPU.
-  moe_grouped_matmul: str = "auto"
-  # The routed experts' SiTU-GLU activation: 'auto' | 'xla' | 'pallas' (k3jax.ops.
-  # kernel_choice). 'pallas': one Pallas kernel forward, one backward
-  # (pallas_kernels/situ_glu), in the Pallas interpreter on CPU (not inside the expert-parallel
-  # shard_map there); auto: 'pallas' on a GPU (one H200: small.gin's step -6.6 %, medium.gin's
-  # -8.5 %, RESULTS.md run 17), 'xla' elsewhere.
-  moe_situ_glu: str = "auto"
 
   # Block Attention Residuals
   attnres: bool = True
   attnres_block_size: int = 2     # layers per block
-  # DepthMix: 'xla' | 'pallas' (pallas_kernels/depth_mix) | 'auto' (pallas on a GPU, else xla)
-  attnres_kernel: str = "auto"
-  # The decoder's RMSNorms' backward (attn_norm, ffn_norm, final_norm): 'xla' | 'pallas'
-  # (pallas_kernels/rms_norm; interpreted on CPU) | 'auto' (pallas on a GPU, else xla). 'xla'
-  # until the kernel is measured on a GPU (RESULTS.md run 23: not yet).
-  norm_kernel: str = "xla"
-
-  # Activation memory: what the backward pass of each decoder layer keeps from its forward.
-  #   'none': everything autodiff saves; 'full': only the layer's inputs (the layer's forward runs
-  #   again in the backward pass, once the gradient of its output exists: one layer recomputed at
-  #   a time, k3jax/layers/remat.py); 'dots': also the outputs of matmuls without batch dimensions
-  #   (jax.checkpoint_policies.dots_with_no_batch_dims_saveable, through nn.remat).
-  remat: str = "none"
-  # Run the repeated middle of the decoder as one `nn.scan` over groups of layers (compile time
-  # independent of depth; parameters stacked on a leading 'layers' axis). False: a Python loop over
-  # the layers, each with its own parameters (debugging, the reference of the tests).
-  scan_layers: bool = True
-  # Position-wise parts in sequence chunks (k3jax/ops/chunking.py): > 0 runs the dense FFN, the
-  # MoE's latent projections, routed experts and shared experts, and (in training) the LM head
-  # with the loss over chunks of at most this many tokens (B rows x T/n positions), each chunk
-  # rematerialised, so that no [B*T, wide] intermediate is alive whole; the router and the
-  # balancing statistics still see the whole batch. 0: off. Changes memory and time, not values.
-  position_chunk_tokens: int = 0
 
   def layer_kind(self, i: int) -> str:
     """'mla' or 'kda' for 0-based layer index i."""
@@ -172,22 +143,6 @@ class ModelConfig:
       _check(isinstance(v, int) and v >= 0, p + name, "an integer >= 0", v)
     _check(self.dtype in DTYPES, p + "dtype", f"one of {DTYPES}", self.dtype)
     _check(self.param_dtype in DTYPES, p + "param_dtype", f"one of {DTYPES}", self.param_dtype)
-    _check(self.kda_backend in KDA_BACKENDS, p + "kda_backend", f"one of {KDA_BACKENDS}",
-           self.kda_backend)
-    _check(self.kda_conv_backward in KERNEL_CHOICES, p + "kda_conv_backward",
-           f"one of {KERNEL_CHOICES}", self.kda_conv_backward)
-    _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
-           f"one of {ATTENTION_IMPLS}", self.attention_impl)
-    _check(self.attnres_kernel in KERNEL_CHOICES, p + "attnres_kernel",
-           f"one of {KERNEL_CHOICES}", self.attnres_kernel)
-    _check(self.norm_kernel in KERNEL_CHOICES, p + "norm_kernel",
-           f"one of {KERNEL_CHOICES}", self.norm_kernel)
-    _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
-    _check(isinstance(self.scan_layers, bool), p + "scan_layers", "True or False",
-           self.scan_layers)
-    _check(isinstance(self.position_chunk_tokens, int) and self.position_chunk_tokens >= 0,
-           p + "position_chunk_tokens", "an integer >= 0 (0: no chunking)",
-           self.position_chunk_tokens)
     _check(self.kda_chunk_size % 16 == 0, p + "kda_chunk_size", "a multiple of 16 (16, 32, 64, ...)",
            self.kda_chunk_size)
     lb = self.kda_gate_lower_bound
@@ -214,19 +169,95 @@ class ModelConfig:
              "one of ('per_expert', 'token')", self.moe_qb_cutoff)
       _check(self.moe_qb_histogram_bins == 0 or self.moe_qb_histogram_bins >= 2,
              p + "moe_qb_histogram_bins", "0 (exact) or an integer >= 2", self.moe_qb_histogram_bins)
-      _check(self.moe_grouped_matmul in ("auto", "tokamax", "ragged_dot", "tiled"),
-             p + "moe_grouped_matmul", "'auto', 'tokamax', 'ragged_dot' or 'tiled'",
-             self.moe_grouped_matmul)
-      _check(self.moe_situ_glu in KERNEL_CHOICES, p + "moe_situ_glu",
-             f"one of {KERNEL_CHOICES}", self.moe_situ_glu)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
-      _check(self.position_chunk_tokens == 0 or self.moe_capacity_factor == 0.0,
-             p + "moe_capacity_factor",
-             "0 (dropless) when position_chunk_tokens > 0 (expert capacities would be per chunk)",
-             self.moe_capacity_factor)
       _check(self.first_k_dense < self.num_layers, p + "first_k_dense",
              f"smaller than num_layers={self.num_layers} when experts are used", self.first_k_dense)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class ImplConfig:
+  """How the decoder is computed: kernels, implementations, activation memory, compile time.
+
+  None of these settings changes the parameters or what the model computes, only roundings, speed,
+  memory and compile time: a checkpoint trained with one restores with any other. Each kernel
+  choice is 'xla' (XLA's fusions), 'pallas' (Pallas kernels, interpreted on CPU) or 'auto' ('pallas'
+  on a GPU, 'xla' elsewhere; `k3jax.ops.kernel_choice`). docs/performance.md gives the figures
+  behind each default.
+  """
+  # KDA's chunked attention: 'pallas' (pallas_kernels/kda), 'xla' or 'auto'.
+  kda_backend: str = "auto"
+  # The short convolutions before KDA, forward and backward (pallas_kernels/short_conv; under a
+  # mesh each device runs them on its own rows).
+  kda_conv_kernel: str = "auto"
+  # One of ATTENTION_IMPLS (k3jax/ops/attention.py). 'auto': cuDNN for rows without segment ids;
+  # for packed rows on sm90+, tokamax's Mosaic GPU forward with its backward up to 4096 tokens a
+  # row and our Mosaic GPU backward above; 'xla' (blockwise) elsewhere.
+  attention_impl: str = "auto"
+  # The routed experts' grouped matmul, one of GROUPED_MATMULS (k3jax.ops.grouped_matmul.default_ragged_dot).
+  # 'auto': tokamax's Mosaic GPU kernels for bf16/f16 on compute capability 9.x, else 'tiled', on
+  # a GPU; 'tiled' on CPU; ragged_dot on TPU.
+  moe_grouped_matmul: str = "auto"
+  # The routed experts' SiTU-GLU activation (pallas_kernels/situ_glu: one kernel forward, one
+  # backward; not inside the expert-parallel shard_map on CPU).
+  moe_situ_glu: str = "auto"
+  # AttnRes's depth mix (pallas_kernels/depth_mix).
+  attnres_kernel: str = "auto"
+  # The decoder's RMSNorms' backward (pallas_kernels/rms_norm). 'xla' by default: the kernel was
+  # not faster in a training step.
+  norm_kernel: str = "xla"
+
+  # Activation memory: what the backward pass of each decoder layer keeps from its forward.
+  #   'none': everything autodiff saves; 'full': only the layer's inputs (the layer's forward runs
+  #   again in the backward pass, once the gradient of its output exists: one layer recomputed at
+  #   a time, k3jax/layers/remat.py); 'dots': also the outputs of matmuls without batch dimensions
+  #   (jax.checkpoint_policies.dots_with_no_batch_dims_saveable, through nn.remat).
+  remat: str = "none"
+  # `remat` per curriculum stage, one entry per StagesConfig.stages entry (e.g. ('none', 'full',
+  # 'full', 'full'): long rows keep only each layer's inputs); empty: `remat` in every stage.
+  stage_remat: tuple = ()
+  # Run the repeated middle of the decoder as one `nn.scan` over groups of layers (compile time
+  # independent of depth; parameters stacked on a leading 'layers' axis). False: a Python loop over
+  # the layers, each with its own parameters.
+  scan_layers: bool = True
+  # Position-wise parts in sequence chunks (k3jax/ops/chunking.py): > 0 runs the dense FFN, the
+  # MoE's latent projections, routed experts and shared experts, and (in training) the LM head
+  # with the loss over chunks of at most this many tokens (B rows x T/n positions), each chunk
+  # rematerialised, so that no [B*T, wide] intermediate is alive whole; the router and the
+  # balancing statistics still see the whole batch. 0: off.
+  position_chunk_tokens: int = 0
+
+  def validate(self) -> None:
+    p = "ImplConfig."
+    _check(self.kda_backend in KDA_BACKENDS, p + "kda_backend", f"one of {KDA_BACKENDS}",
+           self.kda_backend)
+    for name in ("kda_conv_kernel", "moe_situ_glu", "attnres_kernel", "norm_kernel"):
+      _check(getattr(self, name) in KERNEL_CHOICES, p + name, f"one of {KERNEL_CHOICES}",
+             getattr(self, name))
+    _check(self.attention_impl in ATTENTION_IMPLS, p + "attention_impl",
+           f"one of {ATTENTION_IMPLS}", self.attention_impl)
+    _check(self.moe_grouped_matmul in GROUPED_MATMULS, p + "moe_grouped_matmul",
+           f"one of {GROUPED_MATMULS}", self.moe_grouped_matmul)
+    _check(self.remat in REMAT_POLICIES, p + "remat", f"one of {REMAT_POLICIES}", self.remat)
+    _check(isinstance(self.stage_remat, (tuple, list))
+           and all(r in REMAT_POLICIES for r in self.stage_remat), p + "stage_remat",
+           f"empty (remat in every stage) or one of {REMAT_POLICIES} per stage", self.stage_remat)
+    _check(isinstance(self.scan_layers, bool), p + "scan_layers", "True or False",
+           self.scan_layers)
+    _check(isinstance(self.position_chunk_tokens, int) and self.position_chunk_tokens >= 0,
+           p + "position_chunk_tokens", "an integer >= 0 (0: no chunking)",
+           self.position_chunk_tokens)
+
+  def for_stage(self, stage: int, num_stages: int) -> "ImplConfig":
+    """The settings that stage `stage` (0-based, of `num_stages`) trains with: `remat` replaced by
+    `stage_remat[stage]` when stage_remat is given, else this config itself."""
+    if not 0 <= stage < num_stages:
+      raise ValueError(f"ImplConfig.for_stage: stage={stage} is not in [0, {num_stages}) "
+                       "(StagesConfig.stages)")
+    if not self.stage_remat:
+      return self
+    return dataclasses.replace(self, remat=self.stage_remat[stage])
 
 
 @gin.configurable
@@ -309,46 +340,14 @@ class StagesConfig:
   # Gradient accumulation: each step runs as micro-batches of this many tokens (at least one
   # sequence each) whose gradients are summed before one optimizer update. 0: the whole step.
   microbatch_tokens: int = 0
-  # How a step's micro-batches run: 'scan', a lax.scan inside the step's one program; 'host', a
-  # Python loop over jitted programs (one per micro-batch, then the update), so that the model's
-  # decoder scans sit at the top level of a program, where XLA turns the zero initialisations of
-  # their stacked buffers into fills instead of per-micro-batch copies (issue 17). On the H200,
-  # medium.gin's step with 'host' took 616.7 ms against 638.1 (RESULTS.md, run 12): medium.gin
-  # sets it; 'scan' (one program) stays the default where a step is one micro-batch or few. With
-  # 'host', a step of one micro-batch runs as two programs (gradients, update) compiled at once,
-  # which start faster than one (small.gin on an H200, RESULTS.md run 29).
-  microbatch_loop: str = "scan"
-  # ModelConfig.remat per stage, one entry per stage (e.g. ('none', 'full', 'full', 'full'): long
-  # rows keep only each layer's inputs for the backward pass); empty: ModelConfig.remat throughout.
-  # See `stage_model_config`.
-  remat: tuple = ()
-  # 'on': compile the stages' training steps and validation programs in background threads from
-  # the start of the run, in the order they are needed, instead of each when the loop reaches it
-  # (`k3jax.precompile`; needs the persistent compilation cache, on by default in the CLIs).
-  # 'auto': 'on' where the steps run on an accelerator, 'off' on CPU (there the compiles would
-  # take the cores the steps run on: tiny.gin's run took 266 s instead of 198 s on 2 cores).
-  # precompile_workers: compile threads (a long stage's compile takes GiBs of host memory).
-  precompile: str = "auto"
-  precompile_workers: int = 2
 
   def validate(self) -> None:
     p = "StagesConfig."
-    _check(self.precompile in PRECOMPILE_MODES, p + "precompile", f"one of {PRECOMPILE_MODES}",
-           self.precompile)
-    _check(isinstance(self.precompile_workers, int) and not isinstance(self.precompile_workers, bool)
-           and self.precompile_workers >= 1, p + "precompile_workers", "an integer >= 1",
-           self.precompile_workers)
     _check(self.microbatch_tokens >= 0 and (self.microbatch_tokens == 0 or
                                             self.tokens_per_step % self.microbatch_tokens == 0),
            p + "microbatch_tokens", f"0 or a divisor of tokens_per_step={self.tokens_per_step}",
            self.microbatch_tokens)
-    _check(self.microbatch_loop in MICROBATCH_LOOPS, p + "microbatch_loop",
-           f"one of {MICROBATCH_LOOPS}", self.microbatch_loop)
     _check(len(self.stages) > 0, p + "stages", "a non-empty sequence of (seq_len, steps)", self.stages)
-    _check(isinstance(self.remat, (tuple, list)) and len(self.remat) in (0, len(self.stages))
-           and all(r in REMAT_POLICIES for r in self.remat), p + "remat",
-           f"empty (ModelConfig.remat in every stage) or one of {REMAT_POLICIES} per stage "
-           f"({len(self.stages)} entries)", self.remat)
     for s in self.stages:
       _check(len(s) == 2 and all(isinstance(x, int) and x > 0 for x in s), p + "stages",
              "pairs (seq_len, steps) of positive integers", s)
@@ -390,6 +389,38 @@ class StagesConfig:
     """Micro-batches per step in `stage`."""
     seq_len, batch = self.stages[stage][0], self.batch_size(stage)
     return batch // self.microbatch_rows(seq_len, batch)
+
+
+@gin.configurable
+@dataclasses.dataclass(frozen=True)
+class RuntimeConfig:
+  """How a run's programs are compiled and run (`k3jax.runtime`); none changes a result."""
+  # How a step's micro-batches run: 'scan', a lax.scan inside the step's one program; 'host', a
+  # Python loop over jitted programs (one per micro-batch, then the update), so that the model's
+  # decoder scans sit at the top level of a program, where XLA turns the zero initialisations of
+  # their stacked buffers into fills instead of per-micro-batch copies (medium.gin's step on an
+  # H200: 616.7 ms against 638.1, RESULTS.md run 12). With 'host' a step of one micro-batch runs
+  # as two programs (gradients, update) compiled at once, which start faster than one (RESULTS.md
+  # run 29). small.gin and medium.gin set 'host'.
+  microbatch_loop: str = "scan"
+  # 'on': compile the stages' training steps and validation programs in background threads from
+  # the start of the run, in the order they are needed, instead of each when the loop reaches it
+  # (`k3jax.runtime.precompile`; needs the persistent compilation cache, on by default in the
+  # CLIs). 'auto': 'on' where the steps run on an accelerator, 'off' on CPU (there the compiles
+  # would take the cores the steps run on: tiny.gin's run took 266 s instead of 198 s on 2 cores).
+  precompile: str = "auto"
+  # Compile threads (a long stage's compile takes GiBs of host memory).
+  precompile_workers: int = 2
+
+  def validate(self) -> None:
+    p = "RuntimeConfig."
+    _check(self.microbatch_loop in MICROBATCH_LOOPS, p + "microbatch_loop",
+           f"one of {MICROBATCH_LOOPS}", self.microbatch_loop)
+    _check(self.precompile in PRECOMPILE_MODES, p + "precompile", f"one of {PRECOMPILE_MODES}",
+           self.precompile)
+    _check(isinstance(self.precompile_workers, int) and not isinstance(self.precompile_workers, bool)
+           and self.precompile_workers >= 1, p + "precompile_workers", "an integer >= 1",
+           self.precompile_workers)
 
 
 @gin.configurable
@@ -460,42 +491,115 @@ class EvalConfig:
 class Config:
   """Everything a run needs. Sub-configs are built from gin when not passed."""
   model: ModelConfig = None
+  impl: ImplConfig = None
   data: DataConfig = None
   optimizer: OptimizerConfig = None
   stages: StagesConfig = None
+  runtime: RuntimeConfig = None
   mesh: MeshConfig = None
   checkpoint: CheckpointConfig = None
   eval: EvalConfig = None
   seed: int = 0
 
   def __post_init__(self):
-    defaults = dict(model=ModelConfig, data=DataConfig, optimizer=OptimizerConfig,
-                    stages=StagesConfig, mesh=MeshConfig, checkpoint=CheckpointConfig, eval=EvalConfig)
-    for name, cls in defaults.items():
+    for name, cls in _PARTS.items():
       if getattr(self, name) is None:
         object.__setattr__(self, name, cls())
 
   def validate(self) -> "Config":
-    for f in ("model", "data", "optimizer", "stages", "mesh", "checkpoint", "eval"):
-      getattr(self, f).validate()
+    for name in _PARTS:
+      getattr(self, name).validate()
+    # Settings whose allowed values depend on another part.
+    stage_remat = self.impl.stage_remat
+    _check(len(stage_remat) in (0, len(self.stages.stages)), "ImplConfig.stage_remat",
+           f"empty or one entry per stage ({len(self.stages.stages)} in StagesConfig.stages)",
+           stage_remat)
+    _check(self.impl.position_chunk_tokens == 0 or self.model.moe_capacity_factor == 0.0,
+           "ModelConfig.moe_capacity_factor",
+           "0 (dropless) when ImplConfig.position_chunk_tokens > 0 (expert capacities would be "
+           "per chunk)", self.model.moe_capacity_factor)
     return self
 
+  def stage_impl(self, stage: int) -> ImplConfig:
+    """The implementation settings of stage `stage` (0-based): `ImplConfig.for_stage`."""
+    return self.impl.for_stage(stage, len(self.stages.stages))
 
-def stage_model_config(cfg: Config, stage: int) -> ModelConfig:
-  """The model config that stage `stage` (0-based) trains with: `cfg.model` with its remat set to
-  `cfg.stages.remat[stage]` when StagesConfig.remat is given, else `cfg.model` itself."""
-  if not 0 <= stage < len(cfg.stages.stages):
-    raise ValueError(f"stage_model_config: stage={stage} is not in [0, "
-                     f"{len(cfg.stages.stages)}) (StagesConfig.stages)")
-  if not cfg.stages.remat:
-    return cfg.model
-  return dataclasses.replace(cfg.model, remat=cfg.stages.remat[stage])
+
+# Config's parts, by field name, in the order of the dataclass.
+_PARTS = {"model": ModelConfig, "impl": ImplConfig, "data": DataConfig,
+          "optimizer": OptimizerConfig, "stages": StagesConfig, "runtime": RuntimeConfig,
+          "mesh": MeshConfig, "checkpoint": CheckpointConfig, "eval": EvalConfig}
+
+# Settings that moved to another configurable: old 'Configurable.field' -> new one. A gin file or
+# binding that names an old one is refused with its new place; a run directory's stored config.gin
+# is read with them renamed (`read_run_config`).
+MOVED_FIELDS = {
+    "ModelConfig.kda_backend": "ImplConfig.kda_backend",
+    "ModelConfig.kda_conv_backward": "ImplConfig.kda_conv_kernel",
+    "ModelConfig.attention_impl": "ImplConfig.attention_impl",
+    "ModelConfig.moe_grouped_matmul": "ImplConfig.moe_grouped_matmul",
+    "ModelConfig.moe_situ_glu": "ImplConfig.moe_situ_glu",
+    "ModelConfig.attnres_kernel": "ImplConfig.attnres_kernel",
+    "ModelConfig.norm_kernel": "ImplConfig.norm_kernel",
+    "ModelConfig.remat": "ImplConfig.remat",
+    "ModelConfig.scan_layers": "ImplConfig.scan_layers",
+    "ModelConfig.position_chunk_tokens": "ImplConfig.position_chunk_tokens",
+    "StagesConfig.remat": "ImplConfig.stage_remat",
+    "StagesConfig.microbatch_loop": "RuntimeConfig.microbatch_loop",
+    "StagesConfig.precompile": "RuntimeConfig.precompile",
+    "StagesConfig.precompile_workers": "RuntimeConfig.precompile_workers",
+}
+# Values that are no longer allowed, and what to use instead (old run directories may hold them).
+REPLACED_VALUES = {
+    ("ImplConfig.attention_impl", "auto_mosaic_bwd"): "auto",
+    ("ImplConfig.attention_impl", "tokamax_pallas_bwd"): "tokamax_mosaic_bwd",
+    ("ImplConfig.attention_impl", "pallas"): "tokamax_mosaic_bwd",
+}
+_SETTING = re.compile(r"^(\s*)([A-Za-z_]\w*\.[A-Za-z_]\w*)(\s*=)", re.MULTILINE)
+
+
+def _moved_settings(text: str) -> list[str]:
+  """The old names of moved settings that `text` (gin bindings) assigns."""
+  return [m.group(2) for m in _SETTING.finditer(text) if m.group(2) in MOVED_FIELDS]
+
+
+def _check_not_moved(gin_files: Sequence[str], bindings: Sequence[str]) -> None:
+  for where, text in [(f"gin file {f}", open(f).read()) for f in gin_files] + [
+      (f"gin binding {b!r}", b) for b in bindings]:
+    moved = _moved_settings(text)
+    if moved:
+      raise ConfigError(f"{where}: {moved[0]} has moved: set {MOVED_FIELDS[moved[0]]} instead")
+
+
+def renamed_settings(text: str) -> tuple[str, list[str]]:
+  """(`text` with every moved setting renamed to its new place and every replaced value
+  replaced, the changes as 'old -> new' lines). For configs that k3jax wrote itself (a run
+  directory's config.gin); a user's gin files get `from_gin`'s error instead."""
+  notes = []
+
+  def rename(m):
+    new = MOVED_FIELDS.get(m.group(2))
+    if new is None:
+      return m.group(0)
+    notes.append(f"{m.group(2)} -> {new}")
+    return f"{m.group(1)}{new}{m.group(3)}"
+
+  lines = []
+  for line in _SETTING.sub(rename, text).splitlines():
+    name, _, value = line.partition("=")
+    for (field, old), new in REPLACED_VALUES.items():
+      if name.strip() == field and value.strip() in (repr(old), f'"{old}"'):
+        notes.append(f"{field} = {old!r} -> {new!r}")
+        line = f"{name}= {new!r}"
+    lines.append(line)
+  return "\n".join(lines) + ("\n" if text.endswith("\n") else ""), notes
 
 
 def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Config:
   """Parses gin files and bindings into a validated `Config`.
 
-  Unknown configurables or parameters, and invalid values, raise `ConfigError` naming the setting.
+  Unknown configurables or parameters, settings that have moved (`MOVED_FIELDS`), and invalid
+  values raise `ConfigError` naming the setting.
   """
   for name, value in (("gin_files", gin_files), ("bindings", bindings)):
     if isinstance(value, str):  # a lone string would be read one character at a time
@@ -503,6 +607,7 @@ def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Con
   for f in gin_files:
     if not os.path.isfile(f):
       raise ConfigError(f"gin file {f!r} does not exist")
+  _check_not_moved(gin_files, bindings)
   gin.clear_config()
   try:
     gin.parse_config_files_and_bindings(list(gin_files), list(bindings), finalize_config=False)
@@ -513,10 +618,24 @@ def from_gin(gin_files: Sequence[str] = (), bindings: Sequence[str] = ()) -> Con
       raise ConfigError(f"gin file {e.filename}, line {e.lineno}: {e.msg} ({text!r})") from e
     raise ConfigError(f"gin binding {text!r}: {e.msg}") from e
   except (ValueError, KeyError, TypeError) as e:
-    known = "Config, ModelConfig, DataConfig, OptimizerConfig, StagesConfig, MeshConfig, " \
-            "CheckpointConfig, EvalConfig"
+    known = ", ".join(["Config"] + [cls.__name__ for cls in _PARTS.values()])
     raise ConfigError(f"bad gin setting: {e}. Configurables are: {known}; see k3jax/config.py "
                       "for their fields.") from e
   finally:
     gin.clear_config()
   return cfg.validate()
+
+
+def to_gin(cfg: Config) -> str:
+  """Gin bindings that rebuild `cfg` exactly (every field of every part): `from_gin` of them
+  returns an equal Config."""
+  lines = []
+  for field in dataclasses.fields(cfg):
+    value = getattr(cfg, field.name)
+    if dataclasses.is_dataclass(value):
+      lines.append(f"# {field.name}")
+      cls = type(value).__name__
+      lines += [f"{cls}.{f.name} = {getattr(value, f.name)!r}" for f in dataclasses.fields(value)]
+    else:
+      lines.append(f"Config.{field.name} = {value!r}")
+  return "\n".join(lines) + "\n"

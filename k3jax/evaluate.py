@@ -1,332 +1,60 @@
-r"""Evaluation: validation loss and bits per byte, loss by position inside the document, passkey
-retrieval by length, per-layer MaxVio.
-
-Every evaluation runs the model with `return_hidden=True` and takes the LM head and the loss over
-chunks of `ModelConfig.position_chunk_tokens` positions (`k3jax.loss.chunked_loss_by_position`, as
-the training step does), so it never holds [B, T, vocab] logits: at K3's vocabulary those of one
-1M-token row would be 655 GB. Passkey retrieval computes the logits of the answer positions only.
-
-Loss by position (`val_loss_by_pos/<lo>-<hi>`, nats/token over the validation tokens whose position
-inside their document lies in [lo, hi), with `val_tokens_by_pos/<lo>-<hi>` their count;
-EvalConfig.position_buckets) is the long-context signal that scales to the 1M stage: does the model
-use distant context on real text? The loss of tokens deep inside long documents should fall as the
-stages extend the length. It comes from the validation forward pass at no extra cost and needs no
-synthetic task. Buckets that start at or beyond the evaluated length are left out (no token can be
-there); a bucket that could hold tokens but got none has loss None.
-
-Passkey retrieval runs at train length x EvalConfig.passkey_multipliers up to
-EvalConfig.passkey_max_len: at the long stages (8M tokens a sample at 8 x 1M) it is neither
-affordable nor informative for a small model. Lengths above the limit are listed under
-`passkey_skipped_lengths`; `passkey/<len>` = None still means "shorter than the task needs".
-
-Library: `Evaluator(cfg, model, data)` evaluates given params/moe_state at a training length;
-the trainer calls it at each stage end. CLI: restore a run's checkpoint (params + moe_state only)
-and evaluate it:
+r"""The `evaluate` command: evaluate a run's checkpoint (params and balance biases only).
 
   python -m k3jax.evaluate --workdir=DIR [--step=N] [--seq_len=T]
 
-prints the results and writes them to DIR/eval_step<N>.json. The run's config is read from
-DIR/config.gin (written by k3jax.train).
+(or `k3jax evaluate ...`). Prints the results and writes them to DIR/eval_step<N>.json. The run's
+config is read from DIR/config.gin (written by the train command). The library is
+`k3jax.training.evaluation` (`evaluate_workdir`, `Evaluator`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
-import sys
-from typing import Any, Mapping, Optional
+from typing import Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+from absl import app, flags
 
-from k3jax import compiler
+from k3jax import cli
 from k3jax import config as config_lib
-from k3jax import device_memory
-from k3jax import precompile
-from k3jax.data import synthetic
-from k3jax.loss import chunked_loss_by_position, document_positions
-from k3jax.model import scanned_to_unrolled
-
-PyTree = Any
 
 
-def token_cross_entropy(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array
-                        ) -> tuple[jax.Array, jax.Array]:
-  """(sum of masked token cross-entropies, sum of the mask), both fp32 scalars.
-
-  logits [B,T,V] (cast to fp32), targets [B,T] int32, loss_mask [B,T] float32.
-  """
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
-  mask = loss_mask.astype(jnp.float32)
-  return jnp.sum(ce * mask), jnp.sum(mask)
-
-
-def moe_stats_by_layer(moe_stats: Mapping) -> dict[str, dict[str, Any]]:
-  """Flattens the sown 'moe_stats' collection to {layer name: {'load', 'max_vio', 'aux_loss'}}.
-
-  The layer name is the path of the MoE module ('layer_3/moe'); sown values are tuples (one entry
-  per call), of which the last is taken. Layers are ordered by their layer number. The stacked
-  stats of the decoder's scanned layers are split into their layers first
-  (`k3jax.model.scanned_to_unrolled`), so the names are those of the unrolled model.
-  """
-  out: dict[str, dict[str, Any]] = {}
-  flat = jax.tree_util.tree_flatten_with_path(
-      scanned_to_unrolled(moe_stats),
-      is_leaf=lambda x: isinstance(x, tuple) and not hasattr(x, "_fields"))[0]
-  for path, value in flat:
-    keys = [getattr(p, "key", getattr(p, "name", str(p))) for p in path]
-    if isinstance(value, tuple):
-      value = value[-1]
-    name = "/".join(str(k) for k in keys[:-1])
-    out.setdefault(name, {})[str(keys[-1])] = value
-  return dict(sorted(out.items(), key=lambda kv: _natural_key(kv[0])))
+def define_flags() -> None:
+  flags.DEFINE_string("workdir", None, "Run directory written by the train command.",
+                      required=True)
+  flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
+  flags.DEFINE_integer("seq_len", None,
+                       "Training length for the evaluation (default: the checkpoint's stage).")
+  cli.define_flags()
+  for module in cli.SHARED_FLAG_MODULES:
+    flags.adopt_module_key_flags(module)
 
 
-def _natural_key(name: str):
-  import re
-  return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
-
-
-def max_violation(load: np.ndarray) -> float:
-  """MaxVio = (max_j load_j - mean load) / mean load of one layer's expert loads [E]."""
-  load = np.asarray(load, np.float64)
-  mean = load.mean()
-  return float((load.max() - mean) / mean) if mean > 0 else 0.0
-
-
-def bytes_per_token(corpus) -> float:
-  """Average UTF-8 bytes per (non-BOS) token of the validation stream; 1 for the byte tokenizer."""
-  tok = corpus.tokenizer
-  if type(tok).__name__ == "ByteTokenizer":
-    return 1.0
-  ids = np.asarray(corpus.valid_tokens)
-  ids = ids[ids != tok.bos_id]
-  n_bytes = len(tok.decode(ids).encode("utf-8"))
-  return n_bytes / max(ids.size, 1)
-
-
-def passkey_min_len(tokenizer, digits: int = 5) -> int:
-  """The shortest seq_len `synthetic.passkey_batch` accepts for `digits`-digit keys."""
-  needle = tokenizer.encode(synthetic.PASSKEY_NEEDLE.format(key="1" * digits)).size
-  question = tokenizer.encode(synthetic.PASSKEY_QUESTION).size
-  answer = tokenizer.encode("1" * digits).size
-  return needle + question + answer
-
-
-def bucket_names(edges) -> list[str]:
-  """'<lo>-<hi>' for each bucket of the strictly increasing edges; the last one is '<lo>-inf'."""
-  return [f"{lo}-{hi}" for lo, hi in zip(edges, list(edges[1:]) + ["inf"])]
-
-
-def answer_window(loss_mask: np.ndarray) -> tuple[int, int]:
-  """[first, T): the shortest tail of the positions that holds every loss_mask > 0 entry of every
-  row (the passkey answers); loss_mask: [B, T]. A mask with no entry raises ValueError."""
-  marked = np.asarray(loss_mask) > 0
-  if not marked.any():
-    raise ValueError("answer_window: loss_mask marks no answer token")
-  return int(np.argmax(marked.any(axis=0))), marked.shape[1]
-
-
-class Evaluator:
-  """Evaluates a model (params + moe_state) on the validation stream and on passkey retrieval.
-
-  Args:
-    cfg: the run config (eval settings; tokens_per_step sets the validation batch size).
-    model: the `K3Model`.
-    data: the run's `k3jax.train.Data` (validation batches, tokenizer, passkey filler, bytes/token).
-  """
-
-  def __init__(self, cfg: config_lib.Config, model, data):
-    self.cfg = cfg
-    self.model = model
-    self.data = data
-
-    edges = cfg.eval.position_buckets
-    chunk_tokens = cfg.model.position_chunk_tokens
-
-    def hidden(params, moe_state, batch):
-      (h, head), mutated = model.apply({"params": params, "moe_state": moe_state},
-                                       batch["inputs"], batch["segment_ids"], return_hidden=True,
-                                       mutable=["moe_stats"])
-      return h, head, mutated.get("moe_stats", {})
-
-    def loss_and_stats(params, moe_state, batch):
-      """((ce_sum [nb], count [nb]) by position bucket, moe_stats)."""
-      h, head, stats = hidden(params, moe_state, batch)
-      sums = chunked_loss_by_position(h, head, batch["targets"], batch["loss_mask"],
-                                      document_positions(batch["segment_ids"]), edges,
-                                      chunk_tokens)
-      return sums, stats
-
-    def answer_logits(params, moe_state, batch, first):
-      """fp32 logits [B, T - first, V] of the positions [first, T) only (first: static)."""
-      h, head, _ = hidden(params, moe_state, batch)
-      return jnp.dot(h[:, first:], head.astype(h.dtype), preferred_element_type=jnp.float32)
-
-    self._loss_and_stats = compiler.jit(loss_and_stats)
-    self._answer_logits = compiler.jit(answer_logits, static_argnums=3)
-
-  def validation_batch_size(self, seq_len: int) -> int:
-    return max(1, self.cfg.stages.tokens_per_step // seq_len)
-
-  def lower_validation(self, params, moe_state, seq_len: int):
-    """The validation program at seq_len, lowered for these params and moe_state (arrays or
-    ShapeDtypeStructs) and the uncommitted batches that `validation` passes (`k3jax.precompile`)."""
-    batch = precompile.batch_shapes(self.validation_batch_size(seq_len), seq_len)
-    return self._loss_and_stats.lower(params, moe_state, batch)
-
-  def validation(self, params, moe_state, seq_len: int) -> dict:
-    """Validation loss (nats/token), bits per byte, loss by position inside the document (buckets
-    that start below seq_len), and per-layer MaxVio of the summed loads."""
-    batch_size = self.validation_batch_size(seq_len)
-    edges = self.cfg.eval.position_buckets
-    totals, counts = np.zeros(len(edges)), np.zeros(len(edges))
-    loads: dict[str, np.ndarray] = {}
-    for batch in self.data.validation_batches(seq_len, batch_size, self.cfg.eval.num_batches):
-      (s, n), stats = self._loss_and_stats(params, moe_state, _device_batch(batch))
-      totals += np.asarray(s, np.float64)
-      counts += np.asarray(n, np.float64)
-      for name, layer in moe_stats_by_layer(stats).items():
-        if "load" in layer:
-          loads[name] = loads.get(name, 0.0) + np.asarray(layer["load"], np.float64)
-    count = float(counts.sum())
-    loss = float(totals.sum()) / max(count, 1.0)
-    out = {"val_loss": loss, "val_bpb": loss / math.log(2) / self.data.bytes_per_token,
-           "val_tokens": int(count)}
-    for name, lo, total, n in zip(bucket_names(edges), edges, totals, counts):
-      if lo < seq_len:   # positions are < seq_len: later buckets cannot hold a token
-        out[f"val_loss_by_pos/{name}"] = float(total / n) if n > 0 else None
-        out[f"val_tokens_by_pos/{name}"] = int(n)
-    for name, load in loads.items():
-      out[f"val_max_vio/{name}"] = max_violation(load)
-    return out
-
-  def passkey(self, params, moe_state, train_len: int, seed: int = 0) -> dict:
-    """Passkey accuracy at train_len x every cfg.eval.passkey_multipliers up to
-    cfg.eval.passkey_max_len; lengths shorter than the task needs are reported as None, lengths
-    above the limit are not run and listed under 'passkey_skipped_lengths'."""
-    out, skipped = {}, []
-    min_len = passkey_min_len(self.data.tokenizer)
-    for m in self.cfg.eval.passkey_multipliers:
-      length = int(train_len * m)
-      if length > self.cfg.eval.passkey_max_len:
-        skipped.append(length)
-        continue
-      if length < min_len:
-        out[f"passkey/{length}"] = None
-        continue
-      batch = synthetic.passkey_batch(np.random.default_rng([seed, length]),
-                                      self.cfg.eval.passkey_samples, length,
-                                      self.data.tokenizer, filler_tokens=self.data.filler_tokens)
-      first, _ = answer_window(batch["loss_mask"])
-      logits = self._answer_logits(params, moe_state, _device_batch(batch), first)
-      answers = {k: batch[k][:, first:] for k in ("targets", "loss_mask")}
-      out[f"passkey/{length}"] = float(np.mean(synthetic.passkey_accuracy(logits, answers)))
-    if skipped:
-      out["passkey_skipped_lengths"] = skipped
-    return out
-
-  def __call__(self, params, moe_state, train_len: int, seed: int = 0, passkey: bool = True
-               ) -> dict:
-    """Validation at train_len, and passkey retrieval at its multiples unless passkey=False."""
-    out = {"seq_len": int(train_len)}
-    out.update(self.validation(params, moe_state, train_len))
-    if passkey:
-      out.update(self.passkey(params, moe_state, train_len, seed))
-    return out
-
-
-def _device_batch(batch: Mapping[str, np.ndarray]) -> dict:
-  return {k: jnp.asarray(batch[k]) for k in ("inputs", "targets", "segment_ids", "loss_mask")}
-
-
-def format_eval(results: Mapping[str, Any]) -> str:
-  """One readable line per result; the loss by position on one line, 'lo-hi: loss (tokens)' per
-  bucket."""
-  lines, by_pos = [], []
-  for k, v in results.items():
-    if k.startswith("val_tokens_by_pos/"):
-      continue
-    if k.startswith("val_loss_by_pos/"):
-      name = k.split("/", 1)[1]
-      loss = "-" if v is None else f"{v:.4f}"
-      by_pos.append(f"{name}: {loss} ({results.get(f'val_tokens_by_pos/{name}', '?')})")
-      if len(by_pos) == 1:
-        lines.append(None)   # the line's place: where its first bucket is
-      continue
-    lines.append(f"  {k:<28s} {v:.4f}" if isinstance(v, float) else f"  {k:<28s} {v}")
-  line = f"  {'val_loss_by_pos':<28s} " + " | ".join(by_pos)
-  return "\n".join(line if l is None else l for l in lines)
-
-
-# ------------------------------------------------------------------------------------------------
-# CLI
-# ------------------------------------------------------------------------------------------------
-
-def evaluate_workdir(workdir: str, step: Optional[int] = None, seq_len: Optional[int] = None
-                     ) -> dict:
-  """Restores params + moe_state of `step` (default: latest) from a run directory and evaluates
-  them at `seq_len` (default: the training length of the checkpoint's stage)."""
-  from k3jax import checkpoint as checkpoint_lib
-  from k3jax import train as train_lib
-  from k3jax.model import K3Model
-
-  if seq_len is not None and seq_len < 1:
-    raise ValueError(f"seq_len={seq_len} is not allowed: a length >= 1, or None for the "
-                     "checkpoint's training length")
-  cfg, params, moe_state, meta = checkpoint_lib.restore_run(workdir, step)
-  evaluator = Evaluator(cfg, K3Model(cfg.model), train_lib.make_data(cfg))
-  length = int(meta["seq_len"]) if seq_len is None else seq_len
-  results = {"step": int(meta["step"]), "stage": int(meta["stage"])}
-  results.update(evaluator(params, moe_state, length, seed=cfg.seed))
-  return results
-
-
-def main(argv):
-  from absl import flags
-  del argv
-  from k3jax import checkpoint as checkpoint_lib
-  checkpoint_lib.quiet_logging()
+def main(argv: Sequence[str]) -> None:
+  from k3jax.training import checkpoint as checkpoint_lib  # pylint: disable=import-outside-toplevel
+  from k3jax.training import evaluation  # pylint: disable=import-outside-toplevel
   FLAGS = flags.FLAGS
-  try:
-    device_memory.apply_flag()   # before anything touches a device
-  except ValueError as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  compiler.enable_compilation_cache(FLAGS.compilation_cache_dir)
-  try:
+  cli.start(argv)
+
+  def run() -> int:
     for name in ("step", "seq_len"):
       value = FLAGS[name].value
       if value is not None and value < (0 if name == "step" else 1):
         raise config_lib.ConfigError(f"--{name}={value} is not allowed: an integer >= "
                                      f"{0 if name == 'step' else 1}, or leave it out")
-    results = evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.seq_len)
-  except (config_lib.ConfigError, FileNotFoundError, ValueError,
-          checkpoint_lib.CorruptCheckpointError) as e:
-    print(f"error: {e}", file=sys.stderr)
-    sys.exit(2)
-  print(f"evaluation of {FLAGS.workdir} at step {results['step']}:")
-  print(format_eval(results))
-  path = os.path.join(FLAGS.workdir, f"eval_step{results['step']}.json")
-  with open(path, "w") as f:
-    json.dump(results, f, indent=2)
-  print(f"written to {path}")
+    results = evaluation.evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.seq_len)
+    print(f"evaluation of {FLAGS.workdir} at step {results['step']}:")
+    print(evaluation.format_eval(results))
+    path = os.path.join(FLAGS.workdir, f"eval_step{results['step']}.json")
+    with open(path, "w") as f:
+      json.dump(results, f, indent=2)
+    print(f"written to {path}")
+    return 0
 
-
-def _define_flags():
-  from absl import flags
-  flags.DEFINE_string("workdir", None, "Run directory written by k3jax.train.", required=True)
-  flags.DEFINE_integer("step", None, "Checkpoint step to evaluate (default: the latest).")
-  flags.DEFINE_integer("seq_len", None,
-                       "Training length for the evaluation (default: the checkpoint's stage).")
-  compiler.define_compilation_cache_flag()
-  device_memory.define_flag()
+  cli.finish(run, usage_errors=(FileNotFoundError, ValueError,
+                                checkpoint_lib.CorruptCheckpointError))
 
 
 if __name__ == "__main__":
-  from absl import app
-  _define_flags()
+  define_flags()
   app.run(main)

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 
 from k3jax import config as config_lib
+from k3jax.config import ImplConfig
 from k3jax.layers.ffn import SiTUGLU
 from k3jax.layers.kda import KDALayer
 from k3jax.layers.mla import GatedMLA
@@ -48,10 +49,10 @@ BASE = config_lib.ModelConfig(
     moe_top_k=2, moe_latent_dim=16, moe_expert_dim=16, moe_shared_dim=16, norm_eps=1e-5)
 
 
-def _cfg(num_layers: int, block_size: int, mla_every: int, experts: int, scan: bool
+def _cfg(num_layers: int, block_size: int, mla_every: int, experts: int
          ) -> config_lib.ModelConfig:
   cfg = dataclasses.replace(BASE, num_layers=num_layers, attnres_block_size=block_size,
-                            mla_every=mla_every, moe_num_experts=experts, scan_layers=scan)
+                            mla_every=mla_every, moe_num_experts=experts)
   cfg.validate()
   return cfg
 
@@ -74,8 +75,9 @@ def _mix(query, sources, eps):
   return jnp.einsum("sbt,sbtd->btd", weights, values)
 
 
-def reference_logits(cfg, params, moe_state, tokens, segment_ids):
-  """Logits [B, T, vocab] fp32 of the decoder with per-layer `params` (module docstring)."""
+def reference_logits(cfg, impl, params, moe_state, tokens, segment_ids):
+  """Logits [B, T, vocab] fp32 of the decoder with per-layer `params` (module docstring); the
+  sublayers computed as `impl` says."""
   eps = cfg.norm_eps
   mask = segment_ids != 0
   blocks = [jnp.take(params["embedding"], tokens, axis=0)]              # b_0: the embedding
@@ -86,16 +88,19 @@ def reference_logits(cfg, params, moe_state, tokens, segment_ids):
       blocks.append(partial)
       partial = None
     if cfg.layer_kind(i) == "mla":
-      attention = lambda x, p=layer["mla"]: GatedMLA(cfg).apply({"params": p}, x, segment_ids)
+      attention = lambda x, p=layer["mla"]: GatedMLA(cfg, impl).apply({"params": p}, x,
+                                                                       segment_ids)
     else:
-      attention = lambda x, p=layer["kda"]: KDALayer(cfg).apply({"params": p}, x, segment_ids)
+      attention = lambda x, p=layer["kda"]: KDALayer(cfg, impl).apply({"params": p}, x,
+                                                                       segment_ids)
     if cfg.layer_uses_moe(i):
       state = moe_state[f"layer_{i}"]["moe"]
-      ffn = lambda x, p=layer["moe"], s=state: LatentMoE(cfg).apply(
+      ffn = lambda x, p=layer["moe"], s=state: LatentMoE(cfg, impl).apply(
           {"params": p, "moe_state": s}, x, mask)
     else:
-      ffn = lambda x, p=layer["ffn"]: SiTUGLU(cfg, hidden_dim=cfg.dense_ffn_dim).apply(
-          {"params": p}, x)
+      ffn = lambda x, p=layer["ffn"]: SiTUGLU(
+          cfg, hidden_dim=cfg.dense_ffn_dim, chunk_tokens=impl.position_chunk_tokens).apply(
+              {"params": p}, x)
     for mix, norm, sublayer in (("attn_mix", "attn_norm", attention),
                                 ("ffn_mix", "ffn_norm", ffn)):
       sources = blocks + ([] if partial is None else [partial])
@@ -115,9 +120,9 @@ def _random_variables(cfg, seed):
   """Random values for every variable of the per-layer decoder of `cfg` (no init compiled):
   depth-mix queries N(0, 0.5²) (init: 0), norm gains 1 + N(0, 0.2²) (init: 1), the balance bias
   N(0, 0.1²), the embedding N(0, 1) and every other weight N(0, 0.05²)."""
-  loop = dataclasses.replace(cfg, scan_layers=False)
+  loop = ImplConfig(scan_layers=False)
   shapes = nn.meta.unbox(jax.eval_shape(
-      lambda: K3Model(loop).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))))
+      lambda: K3Model(cfg, loop).init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32))))
   rng = np.random.default_rng(seed)
 
   def value(path, x):
@@ -159,21 +164,23 @@ def _stacked(tree, plan):
   return out
 
 
-def _check(cfg, loop_variables, tokens, segment_ids, cotangent):
-  """The model of `cfg` (its variables: `loop_variables`, stacked by hand when it is scanned)
-  against the reference: logits, and the gradients of <logits, cotangent> for every parameter."""
-  plan = layer_plan(cfg)
+def _check(cfg, impl, loop_variables, tokens, segment_ids, cotangent):
+  """The model of `cfg` and `impl` (its variables: `loop_variables`, stacked by hand when it is
+  scanned) against the reference: logits, and the gradients of <logits, cotangent> for every
+  parameter."""
+  plan = layer_plan(cfg, impl.scan_layers)
   layout = (lambda tree: _stacked(tree, plan)) if plan.num_groups else (lambda tree: tree)
   variables = {name: layout(tree) for name, tree in loop_variables.items()}
-  shapes = jax.eval_shape(lambda: K3Model(cfg).init(jax.random.PRNGKey(0),
-                                                   jnp.zeros((1, 8), jnp.int32)))
+  shapes = jax.eval_shape(lambda: K3Model(cfg, impl).init(jax.random.PRNGKey(0),
+                                                         jnp.zeros((1, 8), jnp.int32)))
   assert jax.tree.structure(nn.meta.unbox(shapes)) == jax.tree.structure(variables)
 
   def model_logits(params):
-    return K3Model(cfg).apply({**variables, "params": params}, tokens, segment_ids)
+    return K3Model(cfg, impl).apply({**variables, "params": params}, tokens, segment_ids)
 
   def ref_logits(params):
-    return reference_logits(cfg, params, loop_variables.get("moe_state", {}), tokens, segment_ids)
+    return reference_logits(cfg, impl, params, loop_variables.get("moe_state", {}), tokens,
+                            segment_ids)
 
   def value_and_grads(fn, params):
     logits, vjp = jax.vjp(fn, params)
@@ -221,9 +228,10 @@ UNROLLED = [
 
 @pytest.mark.parametrize("num_layers,block_size,mla_every,experts", UNROLLED)
 def test_per_layer_decoder_matches_reference(num_layers, block_size, mla_every, experts):
-  cfg = _cfg(num_layers, block_size, mla_every, experts, scan=False)
-  assert layer_plan(cfg).num_groups == 0
-  _check(cfg, _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))
+  cfg = _cfg(num_layers, block_size, mla_every, experts)
+  impl = ImplConfig(scan_layers=False)
+  assert layer_plan(cfg, impl.scan_layers).num_groups == 0
+  _check(cfg, impl, _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))
 
 
 # Scanned decoders: dense layer 0, two groups of `period` layers, then the suffix.
@@ -235,7 +243,8 @@ SCANNED = [
 
 @pytest.mark.parametrize("num_layers,block_size,mla_every,experts", SCANNED)
 def test_scanned_decoder_matches_reference(num_layers, block_size, mla_every, experts):
-  cfg = _cfg(num_layers, block_size, mla_every, experts, scan=True)
-  plan = layer_plan(cfg)
+  cfg = _cfg(num_layers, block_size, mla_every, experts)
+  impl = ImplConfig(scan_layers=True)
+  plan = layer_plan(cfg, impl.scan_layers)
   assert plan.num_groups == 2 and plan.prefix == (0,)
-  _check(cfg, _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))
+  _check(cfg, impl, _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))

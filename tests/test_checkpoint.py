@@ -1,5 +1,6 @@
-"""Tests of k3jax.checkpoint: round trip, retention, unfinalised directories, model-only restore,
-trees that do not fit, damaged steps, the conversion hook, layout conversion onto a mesh."""
+"""Tests of k3jax.training.checkpoint: round trip, retention, unfinalised directories, model-only
+restore, trees that do not fit, damaged steps, the conversion hook, layout conversion onto a
+mesh."""
 
 from __future__ import annotations
 
@@ -12,9 +13,10 @@ import numpy as np
 import optax
 import pytest
 
-from k3jax.checkpoint import Checkpointer, CorruptCheckpointError, IncompatibleCheckpointError
-from k3jax.checkpoint import config_differences
 from k3jax.config import CheckpointConfig
+from k3jax.training.checkpoint import (Checkpointer, CorruptCheckpointError,
+                                       IncompatibleCheckpointError)
+from k3jax.training.run_dir import config_differences
 
 
 def _state(seed: int, big: bool = False):
@@ -252,9 +254,9 @@ def test_convert_restructures_an_old_tree(tmp_path):
 def test_config_differences():
   old = "# model\nModelConfig.d_model = 64\nModelConfig.num_layers = 4\nConfig.seed = 0\n"
   new = "# model\nModelConfig.d_model = 96\nModelConfig.num_layers = 4\nConfig.seed = 0\n" \
-        "ModelConfig.remat = 'full'\n"
-  assert config_differences(old, new) == ["ModelConfig.d_model: 64 -> 96",
-                                          "ModelConfig.remat: (unset) -> 'full'"]
+        "ImplConfig.remat = 'full'\n"
+  assert config_differences(old, new) == ["ImplConfig.remat: (unset) -> 'full'",
+                                          "ModelConfig.d_model: 64 -> 96"]
   assert config_differences(old, old) == []
 
 
@@ -264,10 +266,11 @@ def test_runs_restore_across_the_decoder_layouts(tmp_path):
   with the scanned decoder, and a scanned run resumes and evaluates with scan_layers off (the
   setting of small.gin and medium.gin since run 15): train() and restore_run convert the stored
   trees, the optimizer state included."""
-  from k3jax import checkpoint as checkpoint_lib
   from k3jax import config as config_lib
-  from k3jax import train as train_lib
+  from k3jax import training as train_lib
   from k3jax.model import K3Model, is_scanned_path, layer_plan
+  from k3jax.training import checkpoint as checkpoint_lib
+  from k3jax.training import run_dir
   # One stage: the last run's step and evaluation have the first run's shapes (the compilation
   # cache holds them); the layouts are the point here, not the stages. Three MLA layers, each its
   # own AttnRes block: the smallest decoder with two scanned groups (the six-layer KDA/MLA one
@@ -277,28 +280,30 @@ def test_runs_restore_across_the_decoder_layouts(tmp_path):
               "ModelConfig.attnres_block_size = 1", "DataConfig.max_bytes = 200000",
               "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = ()",
               "CheckpointConfig.async_save = False"]
-  old = config_lib.from_gin(["gin_configs/tiny.gin"], bindings + ["ModelConfig.scan_layers = False"])
+  old = config_lib.from_gin(["gin_configs/tiny.gin"], bindings + ["ImplConfig.scan_layers = False"])
   new = config_lib.from_gin(["gin_configs/tiny.gin"], bindings)
   workdir = str(tmp_path / "run")
-  assert layer_plan(new.model).num_groups == 2  # the scan stacks layers 1 and 2 as two groups
+  # the scan stacks layers 1 and 2 as two groups
+  assert layer_plan(new.model, new.impl.scan_layers).num_groups == 2
   train_lib.train(old, workdir, max_steps=2, progress=False, tensorboard=False)
   # restore_run reads config.gin of the run: write the scanned config in its place, as a run
   # directory from before scan_layers existed gets the new default when it is parsed.
-  train_lib.write_config(workdir, new)
+  run_dir.write_config(workdir, new)
   cfg, params, moe_state, meta = checkpoint_lib.restore_run(workdir, log=lambda _: None)
-  assert meta["step"] == 2 and cfg.model.scan_layers
+  assert meta["step"] == 2 and cfg.impl.scan_layers
   assert "layer_1" not in params and any(is_scanned_path((k,)) for k in params)
   tokens = np.zeros((1, 16), np.int32)
-  logits = jax.jit(K3Model(cfg.model).apply)({"params": params, "moe_state": moe_state}, tokens)
+  logits = jax.jit(K3Model(cfg.model, cfg.impl).apply)({"params": params, "moe_state": moe_state},
+                                                       tokens)
   assert np.all(np.isfinite(np.asarray(logits)))
   result = train_lib.train(new, workdir, max_steps=3, progress=False, tensorboard=False)
   assert result.step == 3
   cfg, params, _, meta = checkpoint_lib.restore_run(workdir, log=lambda _: None)   # as it is
-  assert meta["step"] == 3 and cfg.model.scan_layers and "layer_1" not in params
+  assert meta["step"] == 3 and cfg.impl.scan_layers and "layer_1" not in params
   # ... and back: the scanned checkpoint of step 3 into the per-layer decoder.
-  train_lib.write_config(workdir, old)
+  run_dir.write_config(workdir, old)
   cfg, params, _, meta = checkpoint_lib.restore_run(workdir, log=lambda _: None)
-  assert meta["step"] == 3 and not cfg.model.scan_layers
+  assert meta["step"] == 3 and not cfg.impl.scan_layers
   assert "layer_1" in params and not any(is_scanned_path((k,)) for k in params)
   result = train_lib.train(old, workdir, progress=False, tensorboard=False)
   assert result.finished and result.step == 4
@@ -339,13 +344,15 @@ def _scanned_place(per_layer_path: str) -> tuple[str, int | None]:
   return per_layer_path, None
 
 
-def _random_state(model_cfg, seed):
-  """(state dict with random values for every leaf, boxed abstract variables) of `model_cfg`:
-  params, moe_state, optimizer moments (the run's AdamW) and rng, as numpy arrays."""
-  from k3jax import optim
+def _random_state(model_cfg, impl, seed):
+  """(state dict with random values for every leaf, boxed abstract variables) of `model_cfg` in
+  the layout of `impl`: params, moe_state, optimizer moments (the run's AdamW) and rng, as numpy
+  arrays."""
   from k3jax.config import OptimizerConfig
   from k3jax.model import init_variables
-  abstract = jax.eval_shape(lambda: init_variables(model_cfg, jax.random.PRNGKey(0), 1, 16))
+  from k3jax.training import optim
+  abstract = jax.eval_shape(lambda: init_variables(model_cfg, jax.random.PRNGKey(0), 1, 16,
+                                                   impl=impl))
   params = optim.unbox(abstract["params"])
   optimizer, _ = optim.make_optimizer(OptimizerConfig(), 100,
                                       optim.logical_axes(abstract["params"]))
@@ -391,14 +398,16 @@ def test_layout_conversion_onto_a_mesh_restores_values_and_shardings(tmp_path):
   numpy here (entry g of 'scanned_period_2/layer_j' = layer j + 2g) and lies on the target's
   sharding; an expert weight and its moment really are split over the 8 devices."""
   from jax.sharding import PartitionSpec as P
-  from k3jax import checkpoint as checkpoint_lib
   from k3jax import config as config_lib
-  from k3jax import sharding
   from k3jax.model import layer_plan, to_layout
-  scan_cfg = config_lib.from_gin(["gin_configs/tiny.gin"], _LAYOUT_BINDINGS).model
-  loop_cfg = config_lib.from_gin(["gin_configs/tiny.gin"],
-                                 _LAYOUT_BINDINGS + ["ModelConfig.scan_layers = False"]).model
-  plan = layer_plan(scan_cfg)
+  from k3jax.parallel import sharding
+  from k3jax.training import checkpoint as checkpoint_lib
+  scan_run = config_lib.from_gin(["gin_configs/tiny.gin"], _LAYOUT_BINDINGS)
+  loop_run = config_lib.from_gin(["gin_configs/tiny.gin"],
+                                 _LAYOUT_BINDINGS + ["ImplConfig.scan_layers = False"])
+  model_cfg, scan_impl, loop_impl = scan_run.model, scan_run.impl, loop_run.impl
+  assert loop_run.model == model_cfg and scan_impl.scan_layers and not loop_impl.scan_layers
+  plan = layer_plan(model_cfg, scan_impl.scan_layers)
   assert (plan.prefix, plan.scan_name, plan.group_layers, plan.num_groups, plan.suffix) == \
       ((0,), _SCAN, (1, 2), 2, (5,))   # what _scanned_place writes out
   mesh = sharding.make_mesh("data:2,expert:4")
@@ -409,15 +418,16 @@ def test_layout_conversion_onto_a_mesh_restores_values_and_shardings(tmp_path):
   expert_path = f"params/{_SCAN}/layer_1/moe/w_up"
 
   # Per-layer (as saved by a single-device run) -> scanned on the mesh.
-  loop_state, _ = _random_state(loop_cfg, seed=1)
-  scan_like, scan_abstract = _random_state(scan_cfg, seed=0)   # only its shapes are used
+  loop_state, _ = _random_state(model_cfg, loop_impl, seed=1)
+  scan_like, scan_abstract = _random_state(model_cfg, scan_impl, seed=0)   # only its shapes
   target = sharding.restore_args_for(jax.eval_shape(lambda: scan_like), scan_abstract, mesh,
                                      fsdp)
   specs = {str(leaf.sharding.spec) for leaf in jax.tree.leaves(target)}
   assert any("expert" in s for s in specs) and any("data" in s for s in specs)  # non-trivial
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "loop"), config)
   ckpt.save(1, **jax.tree.map(jnp.asarray, loop_state), meta=meta)
-  restored = ckpt.restore_latest(**target, convert=lambda item, tree: to_layout(tree, scan_cfg))
+  restored = ckpt.restore_latest(**target, convert=lambda item, tree: to_layout(
+      tree, model_cfg, scan_impl.scan_layers))
   ckpt.close()
   expected, groups = {}, {}
   for path, value in _flat(loop_state).items():
@@ -441,15 +451,16 @@ def test_layout_conversion_onto_a_mesh_restores_values_and_shardings(tmp_path):
 
   # Scanned (saved from the mesh, without FSDP: the restore must re-place the leaves, not keep
   # the saved shardings) -> per-layer on the mesh with FSDP.
-  scan_state, _ = _random_state(scan_cfg, seed=2)
+  scan_state, _ = _random_state(model_cfg, scan_impl, seed=2)
   saved, saved_on = sharding.shard_train_state(scan_state, scan_abstract, mesh)
   assert saved_on["params"][_SCAN]["layer_1"]["moe"]["w_up"].spec == P(None, "expert", None, None)
-  loop_like, loop_abstract = _random_state(loop_cfg, seed=0)
+  loop_like, loop_abstract = _random_state(model_cfg, loop_impl, seed=0)
   target = sharding.restore_args_for(jax.eval_shape(lambda: loop_like), loop_abstract, mesh,
                                      fsdp)
   ckpt = checkpoint_lib.Checkpointer(str(tmp_path / "scan"), config)
   ckpt.save(1, **saved, meta=meta)
-  restored = ckpt.restore_latest(**target, convert=lambda item, tree: to_layout(tree, loop_cfg))
+  restored = ckpt.restore_latest(**target, convert=lambda item, tree: to_layout(
+      tree, model_cfg, loop_impl.scan_layers))
   ckpt.close()
   source = _flat(scan_state)
   expected = {}

@@ -31,6 +31,13 @@ def run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProc
                         capture_output=True, text=True, timeout=timeout)
 
 
+def run_tool(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+  """`python -m k3jax ARGS`: the `k3jax` tool (k3jax.cli.main)."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return subprocess.run([sys.executable, "-m", "k3jax", *args], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=timeout)
+
+
 def assert_user_error(proc: subprocess.CompletedProcess, message: str) -> None:
   """Exit code 2 and stderr exactly one line, 'error: ...' containing `message`."""
   lines = proc.stderr.strip().splitlines()
@@ -78,6 +85,11 @@ CONFIG_TIME_CASES = [
      "--device_memory_fraction=0.0 is not allowed"),
     ("generate", ["--gin_file=gin_configs/tiny.gin", "--device_memory_fraction=-1"],
      "--device_memory_fraction=-1.0 is not allowed"),
+    ("train", ["--gin_bindings=ModelConfig.scan_layers = False", "--workdir={root}/w"],
+     "ModelConfig.scan_layers has moved: set ImplConfig.scan_layers instead"),
+    ("generate", ["--gin_file=gin_configs/tiny.gin",
+                  "--gin_bindings=StagesConfig.microbatch_loop = 'host'"],
+     "StagesConfig.microbatch_loop has moved: set RuntimeConfig.microbatch_loop instead"),
 ]
 
 
@@ -135,3 +147,52 @@ def test_restoring_commands_are_quiet(trained):
   assert not ABSL_INFO.search(ev.stderr) and "read only" not in ev.stderr, ev.stderr
   verbose = run("generate", f"--workdir={workdir}", "--max_new_tokens=2", "--verbosity=0")
   assert ABSL_INFO.search(verbose.stderr), verbose.stderr
+
+
+COMMANDS = ("train", "evaluate", "generate")
+
+
+def test_tool_help_lists_the_commands():
+  proc = run_tool("--help")
+  assert proc.returncode == 0, (proc.stdout, proc.stderr)
+  listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
+  assert listed == list(COMMANDS), proc.stdout
+  # Without a command: the same list, as a usage error.
+  bare = run_tool()
+  assert bare.returncode == 2 and bare.stdout == proc.stdout, (bare.returncode, bare.stdout)
+
+
+def test_tool_unknown_command_is_a_usage_error():
+  proc = run_tool("nope", "--workdir=x")
+  assert_user_error(proc, "unknown command 'nope': one of train, evaluate, generate")
+
+
+def test_tool_command_help_lists_the_command_flags():
+  """The tool's usage says so: `k3jax <command> --help` lists a command's flags, its own and the
+  shared ones, as `python -m k3jax.<command> --help` does."""
+  module = run("generate", "--help")
+  proc = run_tool("generate", "--help")
+  assert proc.returncode == 0, (proc.stdout, proc.stderr)
+  for flag in ("--max_new_tokens", "--gin_file", "--compilation_cache_dir",
+               "--device_memory_fraction"):
+    assert flag in module.stdout, module.stdout
+    assert flag in proc.stdout, proc.stdout
+
+
+def test_tool_runs_the_commands_usage_errors():
+  """Errors of the command the tool runs are the command's own: one line, exit code 2."""
+  assert_user_error(run_tool("generate", "--gin_file=gin_configs/tiny.gin", "--max_new_tokens=-3"),
+                    "--max_new_tokens=-3 is not allowed")
+  assert_user_error(run_tool("evaluate", "--workdir=/nonexistent/run"), "has no config.gin")
+
+
+@pytest.mark.slow
+def test_tool_generate_runs_like_the_module(tmp_path):
+  """`python -m k3jax generate ...` runs the generate command (a fresh tiny model, one token;
+  `python -m k3jax.generate` itself runs in test_compiler)."""
+  args = ["--gin_file=gin_configs/tiny.gin", *[f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS],
+          "--max_new_tokens=1", f"--compilation_cache_dir={tmp_path / 'cache'}"]
+  tool = run_tool("generate", *args)
+  assert tool.returncode == 0, (tool.stdout, tool.stderr)
+  assert "weights: a randomly initialised model" in tool.stdout
+  assert "sample: " in tool.stdout

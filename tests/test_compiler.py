@@ -1,5 +1,5 @@
-"""k3jax.compiler: the XLA:CPU work-around, checked on the shape that crashed without it, and the
-persistent compilation cache of the CLIs."""
+"""k3jax.runtime.compiler: the XLA:CPU work-around, checked on the shape that crashed without it,
+and the persistent compilation cache of the CLIs."""
 
 import os
 import subprocess
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from testlib import TINY_RUN_BINDINGS
 
-from k3jax import compiler
+from k3jax.runtime import compiler
 
 _REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -66,7 +66,7 @@ def test_chunk_kda_gradient_that_crashed_xla_cpu():
       chunk = lambda *a: kda.chunk_kda(*a, chunk_size=32, use_qk_l2norm=True, backend="xla")
       ref = lambda q, k, v, g, b: kda.recurrent_kda(kda.l2_normalize(q), kda.l2_normalize(k),
                                                    v, g, b)
-      from k3jax import compiler
+      from k3jax.runtime import compiler
       ga = compiler.jit(jax.grad(lambda *a: loss(chunk, *a), argnums=(0, 1, 2, 3, 4)))(
           q, k, v, g, beta)
       gb = jax.grad(lambda *a: loss(ref, *a), argnums=(0, 1, 2, 3, 4))(q, k, v, g, beta)
@@ -116,7 +116,7 @@ def test_empty_path_disables_the_cache(tmp_path):
   (JAX_COMPILATION_CACHE_DIR) would turn it on; a path turns it on with every entry kept."""
   script = textwrap.dedent("""
       import sys, jax, jax.numpy as jnp
-      from k3jax import compiler
+      from k3jax.runtime import compiler
       folder = compiler.enable_compilation_cache(sys.argv[1])
       jax.jit(lambda x: jnp.sin(x) * 3)(jnp.arange(4.0)).block_until_ready()
       print(repr(folder))

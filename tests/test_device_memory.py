@@ -1,7 +1,8 @@
-"""k3jax.device_memory: which fraction of the GPU the CLIs give XLA, and the errors for bad ones."""
+"""k3jax.runtime.device_memory: which fraction of the GPU the CLIs give XLA, and the errors for bad
+ones."""
 import pytest
 
-from k3jax import device_memory
+from k3jax.runtime import device_memory
 
 
 def test_default_is_095_when_neither_flag_nor_environment():

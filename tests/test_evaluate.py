@@ -1,5 +1,6 @@
-"""Tests of k3jax.evaluate: metrics helpers, validation through the hidden states (loss by position
-inside the document), passkey limits, and restoring a run directory for evaluation."""
+"""Tests of k3jax.training.evaluation (and the k3jax.evaluate CLI): metrics helpers, validation
+through the hidden states (loss by position inside the document), passkey limits, and restoring a
+run directory for evaluation."""
 
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ import optax
 import pytest
 
 from k3jax import config as config_lib
-from k3jax import evaluate as evaluate_lib
-from k3jax import train as train_lib
-from k3jax.checkpoint import Checkpointer
+from k3jax import training as train_lib
 from k3jax.data import synthetic
 from k3jax.data.tokenizers import ByteTokenizer
+from k3jax.model import K3Model
+from k3jax.model.stats import max_violation, moe_stats_by_layer
+from k3jax.training import evaluation as evaluate_lib
+from k3jax.training import run_dir
+from k3jax.training.checkpoint import Checkpointer
+from k3jax.training.loss import token_cross_entropy
+from k3jax.training.run_data import make_data
 from testlib import TINY_RUN_BINDINGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,15 +38,15 @@ TINY = TINY_RUN_BINDINGS + [
 
 
 def test_max_violation_closed_form():
-  assert evaluate_lib.max_violation(np.array([2.0, 2.0, 2.0, 2.0])) == 0.0
+  assert max_violation(np.array([2.0, 2.0, 2.0, 2.0])) == 0.0
   # mean 2.5, max 4 -> (4 - 2.5) / 2.5
-  np.testing.assert_allclose(evaluate_lib.max_violation(np.array([1.0, 4.0, 2.0, 3.0])), 0.6)
+  np.testing.assert_allclose(max_violation(np.array([1.0, 4.0, 2.0, 3.0])), 0.6)
 
 
 def test_moe_stats_by_layer_orders_layers_numerically():
   stats = {"layer_10": {"moe": {"load": np.ones(2), "max_vio": 0.1}},
            "layer_2": {"moe": {"load": np.zeros(2), "max_vio": (0.0, 0.2)}}}
-  out = evaluate_lib.moe_stats_by_layer(stats)
+  out = moe_stats_by_layer(stats)
   assert list(out) == ["layer_2/moe", "layer_10/moe"]
   assert out["layer_2/moe"]["max_vio"] == 0.2     # sown tuples: the last call's value
 
@@ -50,8 +56,7 @@ def test_token_cross_entropy_matches_naive():
   logits = rng.normal(size=(2, 3, 5)).astype(np.float32)
   targets = rng.integers(0, 5, size=(2, 3)).astype(np.int32)
   mask = np.array([[1, 1, 0], [1, 0, 1]], np.float32)
-  s, n = evaluate_lib.token_cross_entropy(jnp.asarray(logits), jnp.asarray(targets),
-                                          jnp.asarray(mask))
+  s, n = token_cross_entropy(jnp.asarray(logits), jnp.asarray(targets), jnp.asarray(mask))
   naive = 0.0
   for b in range(2):
     for t in range(3):
@@ -71,12 +76,12 @@ def test_passkey_min_len_is_exact():
 
 
 def _make_run_dir(tmp_path):
-  """A run directory as k3jax.train leaves it (config.gin + a checkpoint of step 3), built from
-  an initialised state so that no training is needed."""
+  """A run directory as k3jax.training.train leaves it (config.gin + a checkpoint of step 3), built
+  from an initialised state so that no training is needed."""
   cfg = config_lib.from_gin([], TINY)
   workdir = str(tmp_path / "run")
   os.makedirs(workdir)
-  train_lib.write_config(workdir, cfg)
+  run_dir.write_config(workdir, cfg)
   state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps)
   # Give the balance biases non-trivial values, which inference routing must use.
   moe_state = jax.tree.map(lambda b: b + jnp.arange(b.shape[-1], dtype=b.dtype) * 0.1,
@@ -95,8 +100,8 @@ def test_evaluate_workdir_matches_direct_evaluation(tmp_path):
   results = evaluate_lib.evaluate_workdir(workdir)
   assert results["step"] == 3 and results["seq_len"] == 16
   # Reference: the model applied directly to the same validation batches.
-  data = train_lib.make_data(cfg)
-  apply = jax.jit(train_lib.K3Model(cfg.model).apply)
+  data = make_data(cfg)
+  apply = jax.jit(K3Model(cfg.model, cfg.impl).apply)
   total, count = 0.0, 0.0
   for batch in data.validation_batches(16, 4, 2):
     logits = apply({"params": params, "moe_state": moe_state}, jnp.asarray(batch["inputs"]),
@@ -147,10 +152,12 @@ BUCKETS = "EvalConfig.position_buckets = (0, 3, 9, 16, 64)"
 def chunked_setup():
   """A tiny config whose head and loss run in chunks of 24 tokens (the 64-token validation
   batches take 3 chunks), its data, model and initial params."""
-  cfg = config_lib.from_gin([], TINY + [BUCKETS, "ModelConfig.position_chunk_tokens = 24",
+  cfg = config_lib.from_gin([], TINY + [BUCKETS, "ImplConfig.position_chunk_tokens = 24",
                                         "EvalConfig.passkey_max_len = 128"])
   state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps)
-  return cfg, train_lib.make_data(cfg), train_lib.K3Model(cfg.model), state
+  model = K3Model(cfg.model, cfg.impl)
+  assert model.impl.position_chunk_tokens == 24     # the evaluator chunks by the model's impl
+  return cfg, make_data(cfg), model, state
 
 
 def _naive_positions(segment_ids):
@@ -173,8 +180,8 @@ def test_validation_equals_the_logits_path(chunked_setup):
   for batch in data.validation_batches(16, 4, 2):
     logits = apply({"params": state.params, "moe_state": state.moe_state},
                    jnp.asarray(batch["inputs"]), jnp.asarray(batch["segment_ids"]))
-    s, n = evaluate_lib.token_cross_entropy(logits, jnp.asarray(batch["targets"]),
-                                            jnp.asarray(batch["loss_mask"]))
+    s, n = token_cross_entropy(logits, jnp.asarray(batch["targets"]),
+                               jnp.asarray(batch["loss_mask"]))
     total += float(s)
     count += float(n)
     ce = np.asarray(optax.softmax_cross_entropy_with_integer_labels(
@@ -264,7 +271,7 @@ def test_eval_config_validation_names_the_field(binding, field):
 
 
 def test_loss_by_position_plot_takes_each_stage_last_evaluation(tmp_path):
-  from k3jax import plots
+  from k3jax.training import plots
   records = [{"step": 1, "stage": 0, "val_loss_by_pos/0-4": 3.0, "val_loss_by_pos/4-inf": 2.9},
              {"step": 2, "stage": 0, "val_loss_by_pos/0-4": 2.0, "val_loss_by_pos/4-inf": None},
              {"step": 3, "stage": 1, "val_loss_by_pos/0-4": 1.5, "val_loss_by_pos/4-inf": 1.2},

@@ -1,4 +1,5 @@
-"""k3jax.flops: a hand count term by term, the AttnRes wiring, and XLA's own count of a forward."""
+"""k3jax.model.flops: a hand count term by term, the AttnRes wiring, and XLA's own count of a
+forward."""
 
 import dataclasses
 
@@ -8,8 +9,8 @@ import jax.numpy as jnp
 import pytest
 
 from k3jax import config as config_lib
-from k3jax import flops
 from k3jax import model as model_lib
+from k3jax.model import flops
 from k3jax.layers.attnres import DepthMix
 from k3jax.ops import kda as kda_ops
 
@@ -102,7 +103,7 @@ def test_kda_chunk_count_is_eq13():
   assert flops.kda_chunk_flops(b, t, h, d, c, value_dim=d) == flops.kda_chunk_flops(b, t, h, d, c)
 
 
-def test_model_reexport():
+def test_model_package_exports_flops_per_token():
   assert model_lib.flops_per_token is flops.flops_per_token
 
 
@@ -117,10 +118,10 @@ def test_attnres_sources_match_the_model():
 
   # Unrolled: the scanned decoder mixes inside its scan over a fixed-size stack of block slots
   # (unwritten ones masked), work that is not counted.
-  cfg = dataclasses.replace(HAND, num_layers=7, mla_every=4, attnres_block_size=3,
-                            scan_layers=False)
+  cfg = dataclasses.replace(HAND, num_layers=7, mla_every=4, attnres_block_size=3)
+  impl = config_lib.ImplConfig(scan_layers=False)
   with nn.intercept_methods(record):
-    jax.eval_shape(lambda: model_lib.init_variables(cfg, jax.random.PRNGKey(0), 1, 16))
+    jax.eval_shape(lambda: model_lib.init_variables(cfg, jax.random.PRNGKey(0), 1, 16, impl=impl))
   assert seen == flops.attnres_mix_sources(cfg)
 
 
@@ -153,14 +154,16 @@ def test_against_xla_cost_analysis():
       mla_kv_lora_rank=32, mla_qk_nope_dim=32, mla_qk_rope_dim=16, mla_v_dim=32,
       dense_ffn_dim=4 * d, moe_num_experts=4, moe_top_k=2, moe_latent_dim=d // 2,
       moe_expert_dim=d, moe_shared_dim=d, attnres_block_size=2, dtype="float32",
-      param_dtype="float32", kda_backend="xla", attention_impl="xla",
-      moe_grouped_matmul="ragged_dot", scan_layers=False)
+      param_dtype="float32")
+  impl = config_lib.ImplConfig(kda_backend="xla", attention_impl="xla",
+                               moe_grouped_matmul="ragged_dot", scan_layers=False)
   batch, seq_len = 2, 128
   tokens = jnp.zeros((batch, seq_len), jnp.int32)
   # Shapes only: the cost analysis compiles, it does not run.
   variables = jax.eval_shape(
-      lambda: nn.meta.unbox(model_lib.init_variables(cfg, jax.random.PRNGKey(0), 1, 8)))
-  model_xla = _xla_flops(lambda v, t: model_lib.K3Model(cfg).apply(v, t), variables, tokens)
+      lambda: nn.meta.unbox(model_lib.init_variables(cfg, jax.random.PRNGKey(0), 1, 8,
+                                                     impl=impl)))
+  model_xla = _xla_flops(lambda v, t: model_lib.K3Model(cfg, impl).apply(v, t), variables, tokens)
   h, k = cfg.kda_num_heads, cfg.kda_head_dim
   x = jnp.ones((batch, seq_len, h, k), jnp.float32)
   beta = jnp.ones((batch, seq_len, h), jnp.float32)
@@ -180,7 +183,7 @@ def test_against_xla_cost_analysis():
 
 
 def test_mfu_uses_the_flop_count():
-  from k3jax import metrics
+  from k3jax.training import metrics
   fpt = flops.flops_per_token(HAND, 9)
   assert metrics.mfu(fpt, 1000.0, 2 * fpt * 1000.0) == pytest.approx(0.5)
   with pytest.raises(ValueError, match="flops_per_token"):

@@ -10,17 +10,22 @@ import numpy as np
 import pytest
 
 from k3jax import config as config_lib
-from k3jax.generate import decode_forward, generate, init_cache, sample_token
+from k3jax.config import ImplConfig
 from k3jax.model import K3Model
+from k3jax.model.decode import decode_forward, generate, init_cache, sample_token
 from testlib import tiny_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
+# The implementation settings every test decodes with (the defaults: the scanned layout where the
+# decoder has whole groups).
+IMPL = ImplConfig()
 
 
 @functools.lru_cache(maxsize=None)
-def _jitted_apply(cfg):
-  """K3Model(cfg).apply jitted once per config: the tests' full forwards of one shape share it."""
-  return jax.jit(K3Model(cfg).apply)
+def _jitted_apply(cfg, impl=IMPL):
+  """K3Model(cfg, impl).apply jitted once per config: the tests' full forwards of one shape share
+  it."""
+  return jax.jit(K3Model(cfg, impl).apply)
 
 
 def _full_forward(cfg, variables, tokens):
@@ -38,18 +43,18 @@ def _setup():
   cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
   cfg = dataclasses.replace(cfg, kda_chunk_size=16)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, _LENGTH), 0, cfg.vocab_size)
-  return cfg, tokens, tiny_variables(cfg)
+  return cfg, tokens, tiny_variables(cfg, IMPL)
 
 
 def test_prefill_then_steps_equal_full_forward():
   cfg, tokens, variables = _setup()
   full = _full_forward(cfg, variables, tokens)
   prefill_len = _PREFILL
-  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
-  logits, cache = decode_forward(cfg, variables, cache, tokens[:, :prefill_len])
+  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], IMPL)
+  logits, cache = decode_forward(cfg, IMPL, variables, cache, tokens[:, :prefill_len])
   got = [logits]
   for t in range(prefill_len, tokens.shape[1]):
-    logits, cache = decode_forward(cfg, variables, cache, tokens[:, t:t + 1])
+    logits, cache = decode_forward(cfg, IMPL, variables, cache, tokens[:, t:t + 1])
     got.append(logits)
   got = jnp.concatenate(got, axis=1)
   np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
@@ -58,10 +63,10 @@ def test_prefill_then_steps_equal_full_forward():
 def test_token_by_token_from_the_start_equals_full_forward():
   cfg, tokens, variables = _setup()
   full = _full_forward(cfg, variables, tokens)
-  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], IMPL)
   got = []
   for t in range(tokens.shape[1]):
-    logits, cache = decode_forward(cfg, variables, cache, tokens[:, t:t + 1])
+    logits, cache = decode_forward(cfg, IMPL, variables, cache, tokens[:, t:t + 1])
     got.append(logits)
   np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-4, atol=1e-4)
 
@@ -69,7 +74,7 @@ def test_token_by_token_from_the_start_equals_full_forward():
 def test_greedy_generation_follows_the_argmax_of_the_full_forward():
   cfg, tokens, variables = _setup()
   prompt = tokens[:, :_PREFILL]
-  out = generate(cfg, variables, prompt, _LENGTH - _PREFILL, jax.random.PRNGKey(0),
+  out = generate(cfg, variables, prompt, _LENGTH - _PREFILL, jax.random.PRNGKey(0), impl=IMPL,
                  temperature=0.0)
   assert out.shape == (2, _LENGTH)
   np.testing.assert_array_equal(out[:, :_PREFILL], prompt)
@@ -95,18 +100,18 @@ def test_decoding_the_scanned_decoder_equals_its_full_forward():
                             kda_head_dim=16, kda_value_dim=16, mla_kv_lora_rank=16,
                             mla_qk_nope_dim=16, mla_v_dim=16, dense_ffn_dim=32)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 11), 0, cfg.vocab_size)
-  variables = tiny_variables(cfg)
+  variables = tiny_variables(cfg, IMPL)
   # Non-zero DepthMix queries, so that the mixes over the stacked blocks are not uniform.
   variables = jax.tree_util.tree_map_with_path(
       lambda p, x: 0.5 * jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape))
       if jax.tree_util.keystr(p).endswith("['query']") else x, variables)
-  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1])
+  cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], IMPL)
   assert cache["scanned_period_2"]["layer_2"]["kda"]["kda_state"].shape[:2] == (2, 2)
   assert cache["scanned_period_2"]["layer_1"]["mla"]["cached_ckv"].shape == (2, 2, 11, 16)
   full = _full_forward(cfg, variables, tokens)
-  logits, cache = decode_forward(cfg, variables, cache, tokens[:, :7])
+  logits, cache = decode_forward(cfg, IMPL, variables, cache, tokens[:, :7])
   got = [logits]
   for t in range(7, tokens.shape[1]):
-    logits, cache = decode_forward(cfg, variables, cache, tokens[:, t:t + 1])
+    logits, cache = decode_forward(cfg, IMPL, variables, cache, tokens[:, t:t + 1])
     got.append(logits)
   np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-4, atol=1e-4)

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax import kernel_prewarm
+from k3jax.runtime import kernel_prewarm
 
 
 def _lu_program():

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from k3jax.config import ModelConfig
-from k3jax.evaluate import token_cross_entropy
+from k3jax.training.loss import token_cross_entropy
 from k3jax.data.packing import make_batch
-from k3jax.loss import chunked_cross_entropy, chunked_loss_by_position, document_positions
+from k3jax.training.loss import chunked_cross_entropy, chunked_loss_by_position, document_positions
 from k3jax.model import K3Model
 from testlib import tiny_variables
 

@@ -1,6 +1,6 @@
-"""k3jax.lowered_cache: a miss writes an entry, a hit runs it without tracing, both equal the plain
-jit bit for bit; what changes a program misses; a damaged entry is rebuilt; donation and shardings
-are kept; the training step and its initialisation through the cache."""
+"""k3jax.runtime.lowered_cache: a miss writes an entry, a hit runs it without tracing, both equal
+the plain jit bit for bit; what changes a program misses; a damaged entry is rebuilt; donation and
+shardings are kept; the training step and its initialisation through the cache."""
 
 import json
 import logging
@@ -17,9 +17,10 @@ from flax import struct
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from k3jax import config as config_lib
-from k3jax import lowered_cache
-from k3jax import train as train_lib
-from k3jax import train_step as train_step_lib
+from k3jax import training as train_lib
+from k3jax.model import K3Model
+from k3jax.runtime import Runtime, lowered_cache
+from k3jax.training import step as train_step_lib
 from testlib import TINY_RUN_BINDINGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -142,7 +143,7 @@ def test_damaged_entry_is_reported_and_rebuilt(tmp_path, caplog, damage):
   jax.clear_caches()
   fun.traces = 0
   cached = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="toy")
-  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+  with caplog.at_level(logging.WARNING, logger=lowered_cache.__name__):
     got = jax.device_get(cached(*args))
   warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
   assert len(warnings) == 1 and "is unreadable" in warnings[0] and name in warnings[0]
@@ -241,7 +242,7 @@ def test_output_tree_that_cannot_be_described_runs_uncached_with_a_warning(tmp_p
 
   fun = lambda x: LocalOut(y=x * 2)
   cached = lowered_cache.cached_jit(fun, cache_dir=str(tmp_path), description="local")
-  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+  with caplog.at_level(logging.WARNING, logger=lowered_cache.__name__):
     out = cached(jnp.ones(3))
   np.testing.assert_array_equal(out.y, 2 * np.ones(3))
   assert entries(tmp_path) == []
@@ -270,7 +271,7 @@ def test_off_and_bad_arguments():
 _LAUNCH = textwrap.dedent("""
     import json, sys
     import jax, jax.numpy as jnp
-    from k3jax import lowered_cache
+    from k3jax.runtime import lowered_cache
     traces = []
     def toy(state, x):
       traces.append(1)
@@ -311,10 +312,11 @@ def test_train_step_and_init_through_the_cache(tmp_path, monkeypatch):
                     "loss_mask": jnp.ones((4, 16), jnp.float32)})
 
   def run(cache_dir):
-    state, optimizer, schedule = train_lib.init_train_state(cfg, 10, lowered_cache_dir=cache_dir)
+    runtime = Runtime(cfg.runtime, cache_dir)
+    state, optimizer, schedule = train_lib.init_train_state(cfg, 10, runtime=runtime)
     init = jax.device_get(state)
-    step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
-                                     lowered_cache_dir=cache_dir, total_steps=10)
+    step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
+                                     runtime, total_steps=10)
     return init, run_steps(step, state, batches), step
 
   expected_init, expected, _ = run("")
@@ -328,15 +330,16 @@ def test_train_step_and_init_through_the_cache(tmp_path, monkeypatch):
     assert (step.hits, step.misses) == ((1, 0) if attempt == "hit" else (0, 1))
     assert len(losses) == (0 if attempt == "hit" else 1)
   assert len(entries(cache)) == 2   # the initialisation and the step
-  with pytest.raises(ValueError, match="lowered_cache_dir needs total_steps"):
-    train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), None, None,
-                              lowered_cache_dir=cache)
+  with pytest.raises(ValueError, match="a runtime with a lowered-program cache needs total_steps"):
+    train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), None, None,
+                              runtime=Runtime(cfg.runtime, cache))
 
 
 def _abstract_model_vars():
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS)
   from k3jax.model import init_variables
-  return jax.eval_shape(lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, 16))
+  return jax.eval_shape(lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, 16,
+                                               impl=cfg.impl))
 
 
 def test_cached_abstract_hit_equals_the_traced_tree_without_tracing(tmp_path):
@@ -369,11 +372,11 @@ def test_cached_abstract_damaged_entry_is_rebuilt_and_other_trees_run_uncached(t
   lowered_cache.cached_abstract(str(tmp_path), "tiny", lambda: traced)
   (entry,) = tmp_path.glob("*" + lowered_cache.ABSTRACT_SUFFIX)
   entry.write_text(entry.read_text()[:100])
-  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+  with caplog.at_level(logging.WARNING, logger=lowered_cache.__name__):
     again = lowered_cache.cached_abstract(str(tmp_path), "tiny", lambda: traced)
   assert again is traced and "unreadable" in caplog.text
   assert lowered_cache.cached_abstract(str(tmp_path), "tiny", lambda: None) is not None  # rebuilt
-  with caplog.at_level(logging.WARNING, logger="k3jax.lowered_cache"):
+  with caplog.at_level(logging.WARNING, logger=lowered_cache.__name__):
     odd = lowered_cache.cached_abstract(str(tmp_path), "odd", lambda: {"x": np.zeros(3)})
   assert isinstance(odd["x"], np.ndarray) and "not cached" in caplog.text
 
@@ -414,7 +417,7 @@ def test_key_context_does_not_depend_on_what_was_imported_before():
     script = textwrap.dedent(f"""
         import json
         {first}
-        from k3jax import lowered_cache
+        from k3jax.runtime import lowered_cache
         print(json.dumps(lowered_cache._trace_context()))
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -427,15 +430,18 @@ def test_key_context_does_not_depend_on_what_was_imported_before():
 
 _WARM_LAUNCH = textwrap.dedent("""
     import json, sys
-    from k3jax import config as config_lib, precompile, train as train_lib
+    from k3jax import config as config_lib, training as train_lib
+    from k3jax.model import K3Model
+    from k3jax.runtime import Runtime, precompile
     from testlib import TINY_RUN_BINDINGS
     cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS + [
-        "ModelConfig.moe_grouped_matmul = 'tokamax'"])
+        "ImplConfig.moe_grouped_matmul = 'tokamax'"])
     # As a launch starts: the state's shapes (cached: only the cold launch traces the model,
     # which imports tokamax for the grouped matmul), then the step lowered against them.
-    shapes, opt, sched = train_lib.placed_train_state_shapes(cfg, 10, lowered_cache_dir=sys.argv[1])
-    step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), opt, sched,
-                                     lowered_cache_dir=sys.argv[1], total_steps=10)
+    runtime = Runtime(cfg.runtime, sys.argv[1])
+    shapes, opt, sched = train_lib.placed_train_state_shapes(cfg, 10, runtime=runtime)
+    step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), opt, sched, runtime,
+                                     total_steps=10)
     step.lower(shapes, precompile.batch_shapes(cfg.stages.batch_size(0), cfg.stages.stages[0][0]))
     print(json.dumps({"hits": step.hits, "misses": step.misses,
                       "tokamax": "tokamax" in sys.modules}))

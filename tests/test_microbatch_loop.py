@@ -1,4 +1,5 @@
-"""StagesConfig.microbatch_loop = 'host' (k3jax.microbatch.HostLoopStep) against 'scan'."""
+"""RuntimeConfig.microbatch_loop = 'host' (k3jax.runtime.host_loop.HostLoopStep) against
+'scan'."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import numpy as np
 import pytest
 
 from k3jax import config as config_lib
-from k3jax import microbatch as microbatch_lib
-from k3jax import sharding as sharding_lib
-from k3jax import train as train_lib
+from k3jax import training as train_lib
+from k3jax.model import K3Model
+from k3jax.parallel import sharding as sharding_lib
+from k3jax.runtime import host_loop as microbatch_lib
 from testlib import TINY_RUN_BINDINGS
 
 METRICS = ("loss", "total_loss", "aux_loss", "grad_norm", "lr")
@@ -35,19 +37,20 @@ def _batches(cfg: config_lib.Config, num: int) -> list[dict]:
 
 def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
          compiled: bool = False, cast_once: bool = True):
-  """`steps` training steps with StagesConfig.microbatch_loop = `loop`: (final state, per-step
+  """`steps` training steps with RuntimeConfig.microbatch_loop = `loop`: (final state, per-step
   metrics), on host. compiled: the steps run through `step.lower(...).compile()` (train_bench's
   way) instead of the step itself. cast_once: the host loop's (`HostLoopStep`)."""
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
-      f"StagesConfig.microbatch_loop = {loop!r}", f"MeshConfig.axes = {mesh_axes!r}"])
-  mesh = train_lib.make_run_mesh(cfg)
+      f"RuntimeConfig.microbatch_loop = {loop!r}", f"MeshConfig.axes = {mesh_axes!r}"])
+  mesh = sharding_lib.make_run_mesh(cfg)
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10, mesh=mesh)
   kwargs = {}
   if mesh is not None:
     kwargs = dict(state_shardings=jax.tree.map(lambda x: x.sharding, state),
                   batch_shardings=sharding_lib.batch_sharding(mesh))
-  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
                                    **kwargs)
+  assert isinstance(step, microbatch_lib.HostLoopStep) == (loop == "host")
   if not cast_once:
     step._cast_once = False   # pylint: disable=protected-access
   place = (lambda b: jax.tree.map(jnp.asarray, b)) if mesh is None else \
@@ -115,9 +118,9 @@ def test_host_loop_lowered_and_compiled_equals_its_call(bindings, programs):
   """`lower(state, batch).compile()` (what train_bench times) runs the same programs, named for
   the 'train_step' dump filter, with the call's results."""
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
-      "StagesConfig.microbatch_loop = 'host'"])
+      "RuntimeConfig.microbatch_loop = 'host'"])
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
-  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule)
   assert isinstance(step, microbatch_lib.HostLoopStep)
   batch = jax.tree.map(jnp.asarray, _batches(cfg, 1)[0])
   compiled = step.lower(state, batch).compile()
@@ -131,18 +134,18 @@ def test_host_loop_lowered_and_compiled_equals_its_call(bindings, programs):
     (False, []),
     # A scanned decoder (dense first layer, a scanned group of two periods, the last MLA layer):
     # its stacked weights are scanned-over inputs of the loop, cast once too.
-    (True, ["ModelConfig.num_layers = 6", "ModelConfig.scan_layers = True"]),
+    (True, ["ModelConfig.num_layers = 6", "ImplConfig.scan_layers = True"]),
 ], ids=["call", "lowered_scanned"])
 def test_host_loop_casts_the_weights_once_with_the_same_training(compiled, layers):
   """A bf16 model: the prepare program casts the fp32 weights that the loss reads only as bf16
   (most of them), the micro-batch programs read those copies, and two steps of 2 micro-batches
   give bit for bit the state and metrics of casting in every micro-batch."""
-  from k3jax import param_casts
+  from k3jax.runtime import param_casts
   bindings = ["StagesConfig.microbatch_tokens = 32", "ModelConfig.dtype = 'bfloat16'"] + layers
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
-      "StagesConfig.microbatch_loop = 'host'"])
+      "RuntimeConfig.microbatch_loop = 'host'"])
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
-  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule)
   batch = jax.tree.map(jnp.asarray, _batches(cfg, 1)[0])
   dtypes, _ = step._info(state.params, state.moe_state, batch, 2)  # pylint: disable=W0212
   sizes = [x.size for x in jax.tree.leaves(state.params)]
@@ -165,9 +168,9 @@ def test_host_loop_casts_the_weights_once_with_the_same_training(compiled, layer
 def test_one_microbatch_runs_as_gradients_then_update():
   """With 'host' and a batch of one micro-batch, the step lowers to two programs, the gradients'
   and the update's."""
-  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + ["StagesConfig.microbatch_loop = 'host'"])
+  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + ["RuntimeConfig.microbatch_loop = 'host'"])
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
-  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule)
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule)
   lowered = step.lower(state, jax.tree.map(jnp.asarray, _batches(cfg, 1)[0]))
   assert isinstance(lowered, microbatch_lib.HostLoopLowered)
   assert list(lowered.programs) == ["train_step_grads", "train_step_update"]
@@ -240,6 +243,6 @@ def test_host_loop_equals_scan_on_the_expert_mesh():
 
 def test_microbatch_loop_config_error():
   with pytest.raises(config_lib.ConfigError,
-                     match=r"StagesConfig.microbatch_loop = 'python' is not allowed: one of "
+                     match=r"RuntimeConfig.microbatch_loop = 'python' is not allowed: one of "
                            r"\('scan', 'host'\)"):
-    config_lib.from_gin([], TINY_RUN_BINDINGS + ["StagesConfig.microbatch_loop = 'python'"])
+    config_lib.from_gin([], TINY_RUN_BINDINGS + ["RuntimeConfig.microbatch_loop = 'python'"])

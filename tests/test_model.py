@@ -10,10 +10,11 @@ import numpy as np
 import pytest
 
 from k3jax import config as config_lib
-from k3jax import optim as optim_lib
-from k3jax.evaluate import moe_stats_by_layer
+from k3jax.config import ImplConfig
 from k3jax.model import K3Model, count_params, init_variables, layer_plan
 from k3jax.model import scanned_to_unrolled, to_layout, unrolled_to_scanned
+from k3jax.model.stats import moe_stats_by_layer
+from k3jax.training import optim as optim_lib
 from testlib import error_ratio, tiny_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
@@ -24,7 +25,6 @@ def tiny_cfg(**overrides) -> config_lib.ModelConfig:
   cfg = dataclasses.replace(base, kda_chunk_size=16, **overrides)
   cfg.validate()
   return cfg
-
 
 
 def test_published_parameter_counts():
@@ -113,15 +113,15 @@ def test_init_variables_has_moe_state_per_moe_layer():
 
 
 def test_remat_keeps_parameters_loss_gradients_and_balance_updates():
-  """ModelConfig.remat changes what the backward keeps, nothing else: the same parameter tree
+  """ImplConfig.remat changes what the backward keeps, nothing else: the same parameter tree
   (checkpoints stay compatible), and the loss, gradients and QB bias updates of remat='none'."""
   base = tiny_cfg(num_layers=2, mla_every=1)  # MLA + dense, MLA + MoE: the wrapping is per layer
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 33), 0, base.vocab_size)
   segments = jnp.ones((2, 32), jnp.int32).at[1, 20:].set(2)
 
-  def run(cfg):
-    model = K3Model(cfg)
-    variables = tiny_variables(cfg)
+  def run(impl):
+    model = K3Model(base, impl)
+    variables = tiny_variables(base, impl)
 
     def loss_fn(params):
       logits, mutated = model.apply({**variables, "params": params}, tokens[:, :-1], segments,
@@ -133,9 +133,9 @@ def test_remat_keeps_parameters_loss_gradients_and_balance_updates():
         variables["params"])
     return variables, loss, grads, mutated["moe_state"]
 
-  ref_vars, ref_loss, ref_grads, ref_state = run(base)
+  ref_vars, ref_loss, ref_grads, ref_state = run(ImplConfig())
   for remat in ("full", "dots"):
-    variables, loss, grads, state = run(dataclasses.replace(base, remat=remat))
+    variables, loss, grads, state = run(ImplConfig(remat=remat))
     assert jax.tree_util.tree_structure(variables) == jax.tree_util.tree_structure(ref_vars)
     jax.tree.map(lambda a, b: np.testing.assert_array_equal(a, b), variables, ref_vars)
     assert error_ratio(loss, ref_loss) <= 1e-6, remat
@@ -148,8 +148,8 @@ def test_remat_keeps_parameters_loss_gradients_and_balance_updates():
 
 
 def test_remat_policy_is_validated():
-  with pytest.raises(config_lib.ConfigError, match="ModelConfig.remat"):
-    dataclasses.replace(tiny_cfg(), remat="layer").validate()
+  with pytest.raises(config_lib.ConfigError, match=r"ImplConfig\.remat"):
+    ImplConfig(remat="layer").validate()
 
 
 def test_init_variables_equals_model_init():
@@ -168,7 +168,7 @@ def test_init_variables_equals_model_init():
 
 
 # ------------------------------------------------------------------------------------------------
-# The decoder as a scan (ModelConfig.scan_layers) against the unrolled loop
+# The decoder as a scan (ImplConfig.scan_layers) against the unrolled loop
 # ------------------------------------------------------------------------------------------------
 
 def scan_cfg(**overrides) -> config_lib.ModelConfig:
@@ -182,14 +182,16 @@ def scan_cfg(**overrides) -> config_lib.ModelConfig:
 
 
 def test_layer_plan():
-  small = config_lib.from_gin([os.path.join(GIN_DIR, "small.gin")]).model
-  assert layer_plan(small).num_groups == 0           # small.gin runs its 12 layers unrolled
-  small = dataclasses.replace(small, scan_layers=True)
-  plan = layer_plan(small)
+  small_run = config_lib.from_gin([os.path.join(GIN_DIR, "small.gin")])
+  small = small_run.model
+  # small.gin runs its 12 layers unrolled
+  assert layer_plan(small, small_run.impl.scan_layers).num_groups == 0
+  plan = layer_plan(small)      # scan_layers=True by default
+  assert plan == layer_plan(small, True)
   assert (plan.prefix, plan.start, plan.period, plan.num_groups, plan.suffix) == \
       ((0,), 1, 4, 2, (9, 10, 11))
   assert layer_plan(dataclasses.replace(small, num_layers=24)).num_groups == 5
-  assert layer_plan(dataclasses.replace(small, scan_layers=False)).prefix == tuple(range(12))
+  assert layer_plan(small, scan_layers=False).prefix == tuple(range(12))
   plan = layer_plan(scan_cfg())
   assert (plan.prefix, plan.group_layers, plan.num_groups, plan.suffix) == \
       ((0,), (1, 2), 2, (5, 6))
@@ -201,9 +203,9 @@ def test_layer_plan():
   assert layer_plan(scan_cfg(attnres=False, attnres_block_size=3)).period == 2
   # tiny.gin (4 layers) has no two whole groups: its model is the loop's, whatever scan_layers.
   assert layer_plan(tiny_cfg()).num_groups == 0
-  shapes = lambda cfg: jax.tree.map(jnp.shape, jax.eval_shape(
-      lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0)))))
-  assert shapes(tiny_cfg()) == shapes(tiny_cfg(scan_layers=False))
+  shapes = lambda cfg, impl=ImplConfig(): jax.tree.map(jnp.shape, jax.eval_shape(
+      lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0), impl=impl))))
+  assert shapes(tiny_cfg()) == shapes(tiny_cfg(), ImplConfig(scan_layers=False))
   # Every scanned group has the first group's kinds, dense/MoE choice and AttnRes boundaries.
   for cfg in (small, scan_cfg(), dataclasses.replace(small, num_layers=23)):
     plan = layer_plan(cfg)
@@ -215,8 +217,8 @@ def test_layer_plan():
 
 
 def test_scan_layers_is_validated():
-  with pytest.raises(config_lib.ConfigError, match="ModelConfig.scan_layers"):
-    dataclasses.replace(tiny_cfg(), scan_layers="yes").validate()
+  with pytest.raises(config_lib.ConfigError, match=r"ImplConfig\.scan_layers"):
+    ImplConfig(scan_layers="yes").validate()
 
 
 def _randomised(variables: dict, seed: int) -> dict:
@@ -232,8 +234,8 @@ def _randomised(variables: dict, seed: int) -> dict:
   return jax.tree_util.tree_map_with_path(value, variables)
 
 
-def _loss_and_grads(cfg, variables, tokens, segments):
-  model = K3Model(cfg)
+def _loss_and_grads(cfg, impl, variables, tokens, segments):
+  model = K3Model(cfg, impl)
 
   def loss_fn(params):
     logits, mutated = model.apply({**variables, "params": params}, tokens[:, :-1], segments,
@@ -254,8 +256,8 @@ def test_scan_equals_loop():
   test_train_steps_of_scan_equal_the_loop, the PreNorm stream's scan is
   test_prenorm_scan_equals_loop.)"""
   cfg = scan_cfg()
-  loop_cfg = dataclasses.replace(cfg, scan_layers=False)
-  loop_vars = _randomised(tiny_variables(loop_cfg), seed=3)
+  loop_impl = ImplConfig(scan_layers=False)
+  loop_vars = _randomised(tiny_variables(cfg, loop_impl), seed=3)
   # In one program: eagerly, each stacked leaf shape would compile its own concatenation.
   scan_vars = jax.jit(unrolled_to_scanned, static_argnums=1)(loop_vars, cfg)
   abstract = jax.eval_shape(lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0))))
@@ -267,8 +269,9 @@ def test_scan_equals_loop():
   # Compared on host (numpy): eager slicing of the stacked leaves and eager per-leaf reductions
   # would compile a program per leaf shape.
   ref_loss, ref_logits, ref_grads, ref_mut = jax.device_get(
-      _loss_and_grads(loop_cfg, loop_vars, tokens, segments))
-  loss, logits, grads, mutated = jax.device_get(_loss_and_grads(cfg, scan_vars, tokens, segments))
+      _loss_and_grads(cfg, loop_impl, loop_vars, tokens, segments))
+  loss, logits, grads, mutated = jax.device_get(
+      _loss_and_grads(cfg, ImplConfig(), scan_vars, tokens, segments))
 
   np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
   assert abs(float(loss) - float(ref_loss)) <= 1e-5
@@ -292,19 +295,19 @@ def test_prenorm_scan_equals_loop():
   bias updates and MoE stats equal the loop's (the forward; its backward is a residual add's,
   and the scan's backward is checked with AttnRes above and in training below)."""
   cfg = scan_cfg(attnres=False)
-  loop_cfg = dataclasses.replace(cfg, scan_layers=False)
+  loop_impl = ImplConfig(scan_layers=False)
   assert layer_plan(cfg).num_groups == 2
-  loop_vars = _randomised(tiny_variables(loop_cfg), seed=4)
+  loop_vars = _randomised(tiny_variables(cfg, loop_impl), seed=4)
   scan_vars = jax.jit(unrolled_to_scanned, static_argnums=1)(loop_vars, cfg)   # one program
   tokens = jax.random.randint(jax.random.PRNGKey(6), (2, 16), 0, cfg.vocab_size)
   segments = jnp.ones((2, 16), jnp.int32).at[1, 9:].set(2)
 
-  def forward(c, variables):
-    return jax.jit(lambda v: K3Model(c).apply(v, tokens, segments, update_balance=True,
-                                              mutable=["moe_state", "moe_stats"]))(variables)
+  def forward(impl, variables):
+    return jax.jit(lambda v: K3Model(cfg, impl).apply(
+        v, tokens, segments, update_balance=True, mutable=["moe_state", "moe_stats"]))(variables)
   # On host: the stacked outputs are then split without an eager program per leaf shape.
-  ref_logits, ref_mut = jax.device_get(forward(loop_cfg, loop_vars))
-  logits, mutated = jax.device_get(forward(cfg, scan_vars))
+  ref_logits, ref_mut = jax.device_get(forward(loop_impl, loop_vars))
+  logits, mutated = jax.device_get(forward(ImplConfig(), scan_vars))
   np.testing.assert_allclose(logits, ref_logits, rtol=1e-5, atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
                scanned_to_unrolled(mutated["moe_state"]), ref_mut["moe_state"])
@@ -314,9 +317,8 @@ def test_prenorm_scan_equals_loop():
 
 def test_layout_converters_round_trip_and_reject_partial_trees():
   cfg = scan_cfg(num_layers=10, mla_every=4)
-  loop_cfg = dataclasses.replace(cfg, scan_layers=False)
-  params = jax.eval_shape(
-      lambda: nn.meta.unbox(init_variables(loop_cfg, jax.random.PRNGKey(0))))["params"]
+  params = jax.eval_shape(lambda: nn.meta.unbox(init_variables(
+      cfg, jax.random.PRNGKey(0), impl=ImplConfig(scan_layers=False))))["params"]
   params = jax.tree.map(lambda s: np.arange(np.prod(s.shape), dtype=np.float32).reshape(s.shape)
                         + hash(s.shape) % 97, params)
   scanned = unrolled_to_scanned(params, cfg)
@@ -331,11 +333,11 @@ def test_layout_converters_round_trip_and_reject_partial_trees():
   opt_state = optax.adam(1e-3).init(params)
   converted = unrolled_to_scanned(opt_state, cfg)
   assert jax.tree.structure(converted[0].mu) == jax.tree.structure(scanned)
-  assert unrolled_to_scanned(params, loop_cfg) is params
+  assert unrolled_to_scanned(params, tiny_cfg()) is params    # tiny.gin: no two whole groups
   # to_layout: either layout into either; a tree already in the target layout keeps its arrays.
-  jax.tree.map(np.testing.assert_array_equal, to_layout(scanned, loop_cfg), params)
-  jax.tree.map(np.testing.assert_array_equal, to_layout(params, cfg), scanned)
-  assert to_layout(scanned, cfg) is scanned and to_layout(params, loop_cfg) is params
+  jax.tree.map(np.testing.assert_array_equal, to_layout(scanned, cfg, False), params)
+  jax.tree.map(np.testing.assert_array_equal, to_layout(params, cfg, True), scanned)
+  assert to_layout(scanned, cfg, True) is scanned and to_layout(params, cfg, False) is params
   broken = {k: v for k, v in params.items() if k != "layer_5"}
   with pytest.raises(ValueError, match="layer_5"):
     unrolled_to_scanned(broken, cfg)
@@ -343,8 +345,10 @@ def test_layout_converters_round_trip_and_reject_partial_trees():
 
 def test_count_params_accepts_the_run_config_and_ignores_the_layout():
   run_cfg = config_lib.from_gin([os.path.join(GIN_DIR, "small.gin")])
-  assert not run_cfg.model.scan_layers    # small.gin's decoder is unrolled: compare the scan
-  assert count_params(run_cfg) == count_params(dataclasses.replace(run_cfg.model, scan_layers=True))
+  assert not run_cfg.impl.scan_layers     # small.gin's decoder is unrolled: compare the scan
+  assert count_params(run_cfg) == count_params(run_cfg.model)
+  assert count_params(run_cfg) == count_params(dataclasses.replace(
+      run_cfg, impl=dataclasses.replace(run_cfg.impl, scan_layers=True)))
   with pytest.raises(TypeError, match="ModelConfig or a Config"):
     count_params({"d_model": 64})
 
@@ -352,12 +356,13 @@ def test_count_params_accepts_the_run_config_and_ignores_the_layout():
 def _run_train_steps(cfg: config_lib.Config, state, mesh_spec: str, batches: list):
   """Losses and final state of `cfg`'s training step over `batches`, from `state` (host arrays),
   on one device or on the mesh `mesh_spec` (state placed with `sharding.state_shardings`)."""
-  from k3jax import sharding as sharding_lib
-  from k3jax import train as train_lib
-  abstract_vars = jax.eval_shape(lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, 16))
+  from k3jax.parallel import sharding as sharding_lib
+  from k3jax import training as train_lib
+  abstract_vars = jax.eval_shape(lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, 16,
+                                                        impl=cfg.impl))
   optimizer, schedule = optim_lib.make_optimizer(cfg.optimizer, cfg.stages.total_steps,
                                                  optim_lib.logical_axes(abstract_vars["params"]))
-  model = K3Model(cfg.model)
+  model = K3Model(cfg.model, cfg.stage_impl(0))
   if not mesh_spec:
     step = train_lib.make_train_step(cfg, model, optimizer, schedule)
     losses = []
@@ -383,18 +388,19 @@ def test_train_steps_of_scan_equal_the_loop():
   two micro-batches a step and 'full' remat, from the loop's initial state converted with
   `unrolled_to_scanned` (params, optimizer state, QB biases), have the loop's losses on the same
   mesh, and end in the loop's state."""
-  from k3jax import train as train_lib
+  from k3jax import training as train_lib
+  from k3jax.cli import config_from_flags
   from testlib import TINY_RUN_BINDINGS
   mesh_spec = "expert:8"
-  cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS + [
+  cfg = config_from_flags([], TINY_RUN_BINDINGS + [
       "ModelConfig.num_layers = 5", "ModelConfig.mla_every = 1", "ModelConfig.moe_num_experts = 8",
-      "ModelConfig.remat = 'full'", "OptimizerConfig.name = 'muon'",
+      "ImplConfig.remat = 'full'", "OptimizerConfig.name = 'muon'",
       "OptimizerConfig.qk_clip_tau = 2.0", "StagesConfig.microbatch_tokens = 64",
       "StagesConfig.tokens_per_step = 128", "StagesConfig.stages = ((16, 3),)"])
   # All layers MLA (KDA's chunked scan would dominate the compile time; test_scan_equals_loop has
   # KDA in the scan): layer 0 dense, then layers (1, 2), (3, 4) scanned.
-  assert layer_plan(cfg.model).num_groups == 2
-  loop_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, scan_layers=False))
+  assert cfg.impl.scan_layers and layer_plan(cfg.model, cfg.impl.scan_layers).num_groups == 2
+  loop_cfg = dataclasses.replace(cfg, impl=dataclasses.replace(cfg.impl, scan_layers=False))
   loop_state, _, _ = train_lib.init_train_state(loop_cfg, cfg.stages.total_steps)
   loop_state = jax.device_get(loop_state)
   # The three trees converted in one program: eagerly, each stacked leaf shape would compile its

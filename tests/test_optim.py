@@ -1,4 +1,4 @@
-"""Tests of k3jax.optim: schedule, decay mask, AdamW decay, per-head Muon, QK-Clip."""
+"""Tests of k3jax.training.optim: schedule, decay mask, AdamW decay, per-head Muon, QK-Clip."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax import optim
+from k3jax.training import optim
 from k3jax.config import ModelConfig, OptimizerConfig
 
 # A parameter tree shaped and named like the model's (k3jax/layers/*), with logical axis names.

@@ -1,5 +1,5 @@
-"""k3jax.param_casts: which parameters a function reads only as a narrower copy, on hand-made
-jaxprs, and that feeding the copies gives the same value and (widened) gradient."""
+"""k3jax.runtime.param_casts: which parameters a function reads only as a narrower copy, on
+hand-made jaxprs, and that feeding the copies gives the same value and (widened) gradient."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax import param_casts
+from k3jax.runtime import param_casts
 
 BF16 = jnp.dtype(jnp.bfloat16)
 

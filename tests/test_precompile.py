@@ -1,8 +1,8 @@
-"""k3jax.precompile: programs compiled in background threads are what the caller's own calls then
-read from the persistent compilation cache (no second compile in the calling thread); failures
-are reported and left to the caller; a run with StagesConfig.precompile = 'on' trains the losses
-of a run without it. Each test runs in a subprocess: JAX's persistent cache is set up once per
-process."""
+"""k3jax.runtime.precompile: programs compiled in background threads are what the caller's own
+calls then read from the persistent compilation cache (no second compile in the calling thread);
+failures are reported and left to the caller; a run with RuntimeConfig.precompile = 'on' trains
+the losses of a run without it. Each test runs in a subprocess: JAX's persistent cache is set up
+once per process."""
 import json
 import os
 import subprocess
@@ -44,7 +44,7 @@ def test_background_compiles_are_read_back_by_the_callers_calls(tmp_path):
   script = _LOG_SETUP + textwrap.dedent("""
       import json, sys
       import jax, jax.numpy as jnp
-      from k3jax import compiler, precompile
+      from k3jax.runtime import compiler, precompile
       try:
         precompile.Precompiler(1)
       except ValueError as e:
@@ -100,16 +100,18 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
       import json, sys
       import jax
       jax.config.update("jax_num_cpu_devices", 8)
-      from k3jax import compiler, config as config_lib, metrics, train as train_lib
+      from k3jax import config as config_lib, training as train_lib
+      from k3jax.runtime import compiler
+      from k3jax.training import metrics
       from testlib import TINY_RUN_BINDINGS
       compiler.enable_compilation_cache(sys.argv[1])
       mode, axes, loop = (sys.argv[3] + "@scan").split("@")[:3]
       cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS + [
-          f"StagesConfig.precompile = '{mode}'", f"MeshConfig.axes = '{axes}'",
+          f"RuntimeConfig.precompile = '{mode}'", f"MeshConfig.axes = '{axes}'",
           # two micro-batches a step: 16 rows at stage 1 and 8 at stage 2, which the mesh's 8
           # batch shards split
           "StagesConfig.tokens_per_step = 512", "StagesConfig.microbatch_tokens = 256",
-          "ModelConfig.moe_num_experts = 8", f"StagesConfig.microbatch_loop = '{loop}'"])
+          "ModelConfig.moe_num_experts = 8", f"RuntimeConfig.microbatch_loop = '{loop}'"])
       train_lib.train(cfg, sys.argv[2], progress=False, tensorboard=False)
       losses = [r["loss"] for r in metrics.read_jsonl(sys.argv[2] + "/metrics.jsonl")
                 if r["kind"] == "train"]
@@ -155,7 +157,7 @@ def test_close_drops_queued_programs_and_exit_process_leaves_while_one_is_runnin
   script = textwrap.dedent("""
       import sys, threading
       import jax, jax.numpy as jnp
-      from k3jax import compiler, precompile
+      from k3jax.runtime import compiler, precompile
       compiler.enable_compilation_cache(sys.argv[1])
       x = jax.ShapeDtypeStruct((8,), jnp.float32)
       pre = precompile.Precompiler(1)
@@ -192,7 +194,7 @@ def test_idle_precompiler_lets_the_process_exit_normally(tmp_path):
   script = textwrap.dedent("""
       import sys
       import jax, jax.numpy as jnp
-      from k3jax import compiler, precompile
+      from k3jax.runtime import compiler, precompile
       compiler.enable_compilation_cache(sys.argv[1])
       pre = precompile.Precompiler(2)
       pre.submit("p", lambda: jax.jit(jnp.sin).lower(jax.ShapeDtypeStruct((8,), jnp.float32)))
@@ -215,7 +217,7 @@ def test_wait_lowered_returns_once_traced_while_the_compile_goes_on(tmp_path):
   script = textwrap.dedent("""
       import json, sys, threading
       import jax, jax.numpy as jnp
-      from k3jax import compiler, precompile
+      from k3jax.runtime import compiler, precompile
       compiler.enable_compilation_cache(sys.argv[1])
       x = jax.ShapeDtypeStruct((8,), jnp.float32)
       pre = precompile.Precompiler(1)

@@ -21,11 +21,11 @@ import orbax.checkpoint as ocp
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax import distributed, sharding
-from k3jax.config import ModelConfig
-from k3jax.evaluate import moe_stats_by_layer
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.model import K3Model
+from k3jax.model.stats import moe_stats_by_layer
 from k3jax.ops import moe_ep
+from k3jax.parallel import distributed, sharding
 from k3jax.ops.moe import routed_experts
 from testlib import error_ratio as _error_ratio
 
@@ -207,20 +207,21 @@ def _random_variables(abstract, seed):
 # covers on every mesh). Both have MoE in layers 1-3. 'mla16' (two gated MLA layers, MoE in
 # layer 1) has 16 experts, four per device on an expert:4 mesh of four devices: a wrong local
 # expert id shows only with several experts on a device (two on data:2,expert:4 with 8).
-MODEL_CONFIGS = {"mla": ModelConfig(vocab_size=64, d_model=32, num_layers=4, mla_every=1,
-                                    moe_num_experts=8, moe_top_k=2,
-                                    moe_grouped_matmul="ragged_dot"),
-                 "hybrid": TINY,
-                 "mla16": ModelConfig(vocab_size=64, d_model=32, num_layers=2, mla_every=1,
-                                      moe_num_experts=16, moe_top_k=2,
-                                      moe_grouped_matmul="ragged_dot")}
+# (ModelConfig, ImplConfig) by kind.
+MODELS = {"mla": (ModelConfig(vocab_size=64, d_model=32, num_layers=4, mla_every=1,
+                              moe_num_experts=8, moe_top_k=2),
+                  ImplConfig(moe_grouped_matmul="ragged_dot")),
+          "hybrid": (TINY, ImplConfig()),
+          "mla16": (ModelConfig(vocab_size=64, d_model=32, num_layers=2, mla_every=1,
+                                moe_num_experts=16, moe_top_k=2),
+                    ImplConfig(moe_grouped_matmul="ragged_dot"))}
 _REFERENCES: dict = {}
 
 
 def _reference(kind):
   """Single-device loss, new QB bias, sown MoE stats and gradients (computed once per config)."""
   if kind not in _REFERENCES:
-    model = K3Model(MODEL_CONFIGS[kind])
+    model = K3Model(*MODELS[kind])
     abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(1),
                                                  jnp.zeros((B, T), jnp.int32)))
     variables = _random_variables(abstract, seed=1)
@@ -244,8 +245,10 @@ def test_tiled_grouped_matmul_under_expert_parallelism(monkeypatch):
   """The default grouped matmul off TPU ('tiled') in the expert-parallel path on expert:8 gives
   the loss, gradients and QB biases of the single-device `ragged_dot` path."""
   _, variables, batch, reference = _reference("mla")
-  cfg = dataclasses.replace(MODEL_CONFIGS["mla"], moe_grouped_matmul="tiled")
-  _check_against_reference(K3Model(cfg), variables, batch, reference, "expert:8", monkeypatch)
+  cfg, impl = MODELS["mla"]
+  impl = dataclasses.replace(impl, moe_grouped_matmul="tiled")
+  _check_against_reference(K3Model(cfg, impl), variables, batch, reference, "expert:8",
+                           monkeypatch)
 
 
 def _mesh(spec):
@@ -377,9 +380,10 @@ def test_map_over_batch_shards_rejects_indivisible_batch():
 def test_init_train_state_builds_each_shard_on_its_device():
   """With a mesh the state is computed straight into its shardings (each device builds only its
   shard: the routed experts of its expert group), with the values of the single-device state."""
-  from k3jax import train as train_lib
+  from k3jax import training as train_lib
+  from k3jax.cli import config_from_flags
   from testlib import TINY_RUN_BINDINGS
-  cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS)
+  cfg = config_from_flags([], TINY_RUN_BINDINGS)
   ref, _, _ = train_lib.init_train_state(cfg, total_steps=10)
   mesh = sharding.make_mesh("data:2,expert:4")
   state, _, _ = train_lib.init_train_state(cfg, total_steps=10, mesh=mesh)
@@ -398,7 +402,7 @@ def test_init_train_state_builds_each_shard_on_its_device():
 
 
 def test_checkpoint_restores_onto_another_mesh(tmp_path):
-  model = K3Model(MODEL_CONFIGS["mla"])
+  model = K3Model(*MODELS["mla"])
   tokens = jnp.zeros((1, 8), jnp.int32)
   abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), tokens))
   variables = _random_variables(abstract, seed=2)
@@ -510,7 +514,7 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_default_matmul_precision", "highest")
 from jax.sharding import NamedSharding, PartitionSpec as P
 from jax.experimental import multihost_utils
-from k3jax import distributed, sharding
+from k3jax.parallel import distributed, sharding
 from k3jax.ops import moe_ep
 
 assert distributed.maybe_initialize(initialization_timeout=60)
@@ -575,10 +579,11 @@ def test_two_processes_expert_parallel(tmp_path):
 
 
 def test_project_checkpointer_restores_onto_another_mesh(tmp_path):
-  """The same move through k3jax.checkpoint.Checkpointer, as train.py saves and restores."""
-  from k3jax import checkpoint as checkpoint_lib
+  """The same move through k3jax.training.checkpoint.Checkpointer, as the training loop saves and
+  restores."""
+  from k3jax.training import checkpoint as checkpoint_lib
   from k3jax.config import CheckpointConfig
-  model = K3Model(MODEL_CONFIGS["mla"])
+  model = K3Model(*MODELS["mla"])
   abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
   variables = _random_variables(abstract, seed=4)
   rng = np.random.default_rng(5)

@@ -2,7 +2,7 @@
 
 import pytest
 
-from k3jax import train as train_lib
+from k3jax.cli import config_from_flags
 from testlib import TINY_RUN_BINDINGS, load_benchmark
 
 
@@ -11,18 +11,18 @@ def test_lowering_for_cuda_on_a_cpu_host():
   machine's kernel choices, see the benchmark's docstring), nothing compiles. (The compile branch
   runs on the GPU: RESULTS.md.)"""
   bench = load_benchmark("startup_bench")
-  cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS)
+  cfg = config_from_flags([], TINY_RUN_BINDINGS)
   init, step = bench.measure(cfg, batch=2, seq_len=32, platform="cuda")
   assert [init["phase"], step["phase"]] == ["init", "step"]
   assert "compile_s" not in init and "compile_s" not in step and step["lower_s"] > 0
 
 
 def test_a_host_loop_step_is_lowered_and_compiled_as_one():
-  """StagesConfig.microbatch_loop = 'host' (small.gin's and medium.gin's): the step's programs are
+  """RuntimeConfig.microbatch_loop = 'host' (small.gin's and medium.gin's): the step's programs are
   traced and lowered together (trace_lower_s) and compiled on this host; --platform=cuda is
   refused with the setting named."""
   bench = load_benchmark("startup_bench")
-  cfg = train_lib.config_from_flags([], TINY_RUN_BINDINGS + ["StagesConfig.microbatch_loop = 'host'"])
+  cfg = config_from_flags([], TINY_RUN_BINDINGS + ["RuntimeConfig.microbatch_loop = 'host'"])
   init, step = bench.measure(cfg, batch=2, seq_len=32, platform="cpu")
   assert step["trace_lower_s"] > 0 and step["compile_s"] > 0 and "trace_s" not in step
   with pytest.raises(SystemExit, match="microbatch_loop"):

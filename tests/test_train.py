@@ -1,4 +1,5 @@
-"""Tests of k3jax.train: staged training, exact resume, QB interval, aux loss, NaN stop, CLI, SIGTERM."""
+"""Tests of k3jax.training (and the k3jax.train CLI): staged training, exact resume, QB interval,
+aux loss, NaN stop, CLI, SIGTERM."""
 
 from __future__ import annotations
 
@@ -17,11 +18,16 @@ import optax
 import pytest
 
 from k3jax import config as config_lib
-from k3jax import evaluate as evaluate_lib
-from k3jax import metrics as metrics_lib
-from k3jax import microbatch as microbatch_lib
-from k3jax import train as train_lib
-from k3jax.checkpoint import Checkpointer
+from k3jax import training as train_lib
+from k3jax.model import K3Model
+from k3jax.model.stats import moe_stats_by_layer
+from k3jax.parallel.sharding import make_run_mesh
+from k3jax.training import accumulate as accumulate_lib
+from k3jax.training import loop as loop_lib
+from k3jax.training import metrics as metrics_lib
+from k3jax.training.checkpoint import Checkpointer
+from k3jax.training.loss import token_cross_entropy
+from k3jax.training.run_data import make_data
 from testlib import TINY_RUN_BINDINGS, error_ratio
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,8 +156,8 @@ def test_changed_model_is_a_config_error_naming_the_setting(tmp_path):
 def _one_step_setup(*bindings):
   cfg = tiny_config(*bindings)
   state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
-  model = train_lib.K3Model(cfg.model)
-  data = train_lib.make_data(cfg)
+  model = K3Model(cfg.model, cfg.impl)
+  data = make_data(cfg)
   step_fn = train_lib.make_train_step(cfg, model, optimizer, schedule)
   it = data.train_iterator(0)
   batches = [{k: jnp.asarray(v) for k, v in next(it).items()} for _ in range(3)]
@@ -181,10 +187,10 @@ def test_aux_loss_is_added():
 
 
 def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
-  real = train_lib.make_train_step
+  real = loop_lib.make_train_step
 
-  def poisoned(cfg, model, optimizer, schedule, **kw):
-    step_fn = real(cfg, model, optimizer, schedule, **kw)
+  def poisoned(cfg, model, optimizer, schedule, *args, **kw):
+    step_fn = real(cfg, model, optimizer, schedule, *args, **kw)
 
     def wrapped(state, batch):
       bad = state.step >= 2   # the third step (global step 2) produces NaN
@@ -193,7 +199,7 @@ def test_non_finite_loss_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypa
       return new_state, m
     return wrapped
 
-  monkeypatch.setattr(train_lib, "make_train_step", poisoned)
+  monkeypatch.setattr(loop_lib, "make_train_step", poisoned)
   workdir = str(tmp_path / "nan")
   with pytest.raises(train_lib.NonFiniteLossError, match="non-finite loss at step 3"):
     train_lib.train(tiny_config(), workdir, progress=False)
@@ -224,9 +230,10 @@ def test_cli_bad_setting_fails_at_start(tmp_path, binding, name):
 
 
 def test_importing_the_training_module_leaves_tensorboard_and_matplotlib_for_later():
-  """The CLI's start-up path does not import tensorboardX (which imports torch where it is
-  installed) or matplotlib: the writer and the plots import them where they are made."""
-  code = ("import sys, k3jax.train; "
+  """The CLI's start-up path (the command module, then the training library it runs) does not
+  import tensorboardX (which imports torch where it is installed) or matplotlib: the writer and
+  the plots import them where they are made."""
+  code = ("import sys, k3jax.train, k3jax.training; "
           "print(sorted(m for m in ('tensorboardX', 'matplotlib', 'torch') if m in sys.modules))")
   out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True,
                        env=dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu"), timeout=300)
@@ -312,13 +319,13 @@ def test_validation_too_short_for_the_last_stage_is_a_config_error():
   cfg = tiny_config("StagesConfig.stages = ((16, 3), (4096, 3))",
                     "StagesConfig.tokens_per_step = 4096", "DataConfig.validation_fraction = 0.01")
   with pytest.raises(config_lib.ConfigError, match="DataConfig.validation_fraction"):
-    train_lib.make_data(cfg)
+    make_data(cfg)
 
 
 def test_mesh_that_cannot_split_the_batch_is_a_config_error():
   cfg = tiny_config("MeshConfig.axes = 'data:8'")   # stage batches are 4 and 2
   with pytest.raises(config_lib.ConfigError, match="StagesConfig.stages"):
-    train_lib.make_run_mesh(cfg)
+    make_run_mesh(cfg)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -327,7 +334,7 @@ def test_mesh_that_cannot_split_the_batch_is_a_config_error():
 
 def _one_step(bindings, seed=0):
   cfg = config_lib.from_gin([], TINY + bindings)
-  model = train_lib.K3Model(cfg.model)
+  model = K3Model(cfg.model, cfg.impl)
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
   step = train_lib.make_train_step(cfg, model, optimizer, schedule)
   rng = np.random.default_rng(seed)
@@ -345,7 +352,7 @@ def test_microbatches_give_the_whole_batch_gradient():
   """Without balance-state updates (moe_balance 'none'), 4 micro-batches of unequal token
   counts give the loss, gradients and expert loads of the whole batch at once (fp32)."""
   cfg = config_lib.from_gin([], TINY + ["ModelConfig.moe_balance = 'none'"])
-  model = train_lib.K3Model(cfg.model)
+  model = K3Model(cfg.model, cfg.impl)
   state, _, _ = train_lib.init_train_state(cfg, total_steps=10)
   rng = np.random.default_rng(0)
   B, T = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
@@ -359,21 +366,21 @@ def test_microbatches_give_the_whole_batch_gradient():
     logits, mutated = model.apply({"params": params, "moe_state": moe_state}, b["inputs"],
                                   b["segment_ids"], update_balance=True,
                                   mutable=["moe_state", "moe_stats"])
-    ce_sum, n = evaluate_lib.token_cross_entropy(logits, b["targets"], b["loss_mask"])
+    ce_sum, n = token_cross_entropy(logits, b["targets"], b["loss_mask"])
     ce = ce_sum / jnp.maximum(n, 1.0)
     return ce, (ce, jnp.zeros([], jnp.float32), mutated)
 
   (loss, (_, _, mut)), grads = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))(
       state.params, state.moe_state, batch)
   (loss_m, (_, _, mut_m)), grads_m = jax.jit(
-      lambda p, m, b: microbatch_lib.accumulate_scan(loss_fn, p, m, b, 4))(
+      lambda p, m, b: accumulate_lib.accumulate_scan(loss_fn, p, m, b, 4))(
           state.params, state.moe_state, batch)
   assert abs(float(loss_m) - float(loss)) <= 1e-6 * float(loss)
   for path, a, b in zip(jax.tree_util.tree_leaves_with_path(grads_m), jax.tree.leaves(grads_m),
                         jax.tree.leaves(grads)):
     assert error_ratio(a, b) <= 1e-5, jax.tree_util.keystr(path[0])
-  layers_m = evaluate_lib.moe_stats_by_layer(mut_m["moe_stats"])
-  for name, layer in evaluate_lib.moe_stats_by_layer(mut["moe_stats"]).items():
+  layers_m = moe_stats_by_layer(mut_m["moe_stats"])
+  for name, layer in moe_stats_by_layer(mut["moe_stats"]).items():
     np.testing.assert_allclose(layers_m[name]["load"], layer["load"])
     np.testing.assert_allclose(layers_m[name]["max_vio"], layer["max_vio"], rtol=1e-6)
   # And through the real training step (the same initial state and batch as above): the whole
@@ -406,11 +413,11 @@ def test_microbatch_tokens_config_errors():
 
 
 def test_position_chunks_give_the_unchunked_step():
-  """position_chunk_tokens (head + loss, FFN and MoE in chunks; 24 tokens = 6 positions x 4
-  rows, 16 not a multiple): the real step's loss, gradient norm and QB biases are those of the
+  """ImplConfig.position_chunk_tokens (head + loss, FFN and MoE in chunks; 24 tokens = 6 positions
+  x 4 rows, 16 not a multiple): the real step's loss, gradient norm and QB biases are those of the
   unchunked step."""
   moe0, whole, m_whole = _one_step([])
-  _, chunked, m_chunked = _one_step(["ModelConfig.position_chunk_tokens = 24"])
+  _, chunked, m_chunked = _one_step(["ImplConfig.position_chunk_tokens = 24"])
   np.testing.assert_allclose(float(m_chunked["loss"]), float(m_whole["loss"]), rtol=1e-6)
   np.testing.assert_allclose(float(m_chunked["grad_norm"]), float(m_whole["grad_norm"]),
                              rtol=1e-5)
@@ -423,16 +430,16 @@ def test_position_chunks_give_the_unchunked_step():
 
 
 def test_stage_remat_and_out_of_memory_message(tmp_path, monkeypatch):
-  """Each stage's step is built from its StagesConfig.remat entry; an out-of-memory error in a
+  """Each stage's step is built from its ImplConfig.stage_remat entry; an out-of-memory error in a
   stage's step becomes StageOutOfMemoryError naming the stage, its length and batch, and the
   settings that lower memory."""
-  real = train_lib.make_train_step
+  real = loop_lib.make_train_step
   built = []
 
-  def recording(cfg, model, optimizer, schedule, **kw):
-    built.append((cfg.model.remat, model.config.remat))
-    step_fn = real(cfg, model, optimizer, schedule, **kw)
-    if cfg.model.remat != "full":
+  def recording(cfg, model, optimizer, schedule, *args, **kw):
+    built.append((cfg.impl.remat, model.impl.remat))
+    step_fn = real(cfg, model, optimizer, schedule, *args, **kw)
+    if cfg.impl.remat != "full":
       return step_fn
 
     def out_of_memory(state, batch):
@@ -440,20 +447,20 @@ def test_stage_remat_and_out_of_memory_message(tmp_path, monkeypatch):
           "RESOURCE_EXHAUSTED: Out of memory while trying to allocate 151397597184 bytes.")
     return out_of_memory
 
-  monkeypatch.setattr(train_lib, "make_train_step", recording)
-  cfg = tiny_config("StagesConfig.remat = ('dots', 'full')")
+  monkeypatch.setattr(loop_lib, "make_train_step", recording)
+  cfg = tiny_config("ImplConfig.stage_remat = ('dots', 'full')")
   with pytest.raises(train_lib.StageOutOfMemoryError) as info:
     train_lib.train(cfg, str(tmp_path / "oom"), progress=False, tensorboard=False)
   assert built == [("dots", "dots"), ("full", "full")]
   message = str(info.value)
-  for part in ("stage 1 (seq_len 32, batch 2 rows", "remat 'full'", "StagesConfig.remat",
-               "ModelConfig.position_chunk_tokens", "StagesConfig.microbatch_tokens", "--mesh"):
+  for part in ("stage 1 (seq_len 32, batch 2 rows", "remat 'full'", "ImplConfig.stage_remat",
+               "ImplConfig.position_chunk_tokens", "StagesConfig.microbatch_tokens", "--mesh"):
     assert part in message, (part, message)
   assert "\n" not in message
   # Stage 0 ran its three steps with 'dots' and was saved at its end.
   assert Checkpointer(os.path.join(tmp_path, "oom", "checkpoints"), cfg.checkpoint,
                       read_only=True).all_steps()[-1] == 3
-  assert not train_lib.is_out_of_memory(ValueError("shapes do not match"))
+  assert not loop_lib.is_out_of_memory(ValueError("shapes do not match"))
 
 
 def test_train_state_shapes_compile_the_step_that_the_state_runs():
@@ -465,7 +472,7 @@ def test_train_state_shapes_compile_the_step_that_the_state_runs():
   assert jax.tree.structure(shapes) == jax.tree.structure(state)
   for s, x in zip(jax.tree.leaves(shapes), jax.tree.leaves(state)):
     assert isinstance(s, jax.ShapeDtypeStruct) and (s.shape, s.dtype) == (x.shape, x.dtype)
-  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
                                    total_steps=10)
   b, t = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
   batch = jax.device_put({"inputs": jnp.ones((b, t), jnp.int32),
@@ -486,7 +493,7 @@ def test_placed_train_state_shapes_are_where_the_initialisation_puts_the_state(a
   shapes, dtypes and shardings of the initialised state (one device; an 8-device CPU mesh)."""
   cfg = tiny_config(f"MeshConfig.axes = '{axes}'", "ModelConfig.moe_num_experts = 8",
                     "StagesConfig.tokens_per_step = 256")
-  mesh = train_lib.make_run_mesh(cfg)
+  mesh = make_run_mesh(cfg)
   shapes, _, _ = train_lib.placed_train_state_shapes(cfg, 10, mesh)
   state, _, _ = train_lib.init_train_state(cfg, 10, mesh)
   assert jax.tree.structure(shapes) == jax.tree.structure(state)

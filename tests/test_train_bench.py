@@ -63,14 +63,16 @@ def test_compile_only_state_shapes_key_the_program_that_a_run_reads(tmp_path):
   run with the initialised state finds that program in the lowered cache (no second trace)."""
   import jax.numpy as jnp
   from k3jax import config as config_lib
-  from k3jax import train as train_lib
+  from k3jax import training as train_lib
+  from k3jax.model import K3Model
+  from k3jax.runtime import Runtime
   from testlib import TINY_RUN_BINDINGS
   cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS)
   # As train_bench's compile-only case takes them: placed where the initialisation puts the state.
   shapes, optimizer, schedule = train_lib.placed_train_state_shapes(cfg, 10)
   state, _, _ = train_lib.init_train_state(cfg, 10)
-  step = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
-                                   lowered_cache_dir=str(tmp_path), total_steps=10)
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
+                                   Runtime(cfg.runtime, str(tmp_path)), total_steps=10)
   b, t = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
   batch = {k: jnp.ones((b, t), jnp.float32 if k == "loss_mask" else jnp.int32)
            for k in ("inputs", "targets", "segment_ids", "loss_mask")}
@@ -78,8 +80,8 @@ def test_compile_only_state_shapes_key_the_program_that_a_run_reads(tmp_path):
   assert (step.hits, step.misses) == (0, 1)
   state, _ = step(state, batch)   # the step donates its state
   assert (step.hits, step.misses) == (0, 1)   # the same program object: nothing traced again
-  again = train_lib.make_train_step(cfg, train_lib.K3Model(cfg.model), optimizer, schedule,
-                                    lowered_cache_dir=str(tmp_path), total_steps=10)
+  again = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
+                                    Runtime(cfg.runtime, str(tmp_path)), total_steps=10)
   again(state, batch)
   assert (again.hits, again.misses) == (1, 0)
 

@@ -23,16 +23,19 @@ TINY_RUN_BINDINGS = [
 
 
 @functools.lru_cache(maxsize=None)
-def tiny_variables(cfg) -> dict:
-  """Unboxed variables of K3Model(cfg) (a ModelConfig) from PRNGKey(0), compiled once per config:
+def tiny_variables(cfg, impl=None) -> dict:
+  """Unboxed variables of K3Model(cfg, impl) (a ModelConfig and an ImplConfig, default
+  ImplConfig(); its scan_layers decides the layout) from PRNGKey(0), compiled once per config:
   the values of `model.init` (test_model's test_init_variables_equals_model_init; they do not
   depend on the token shape). Eagerly, every initialiser would be compiled on its own (a six-layer
   tiny model: 14.8 s against 3.2 s). Shared between callers: do not mutate."""
   # Imported here: the tests' subprocess scripts import this module for its bindings alone.
   import flax.linen as nn
   import jax
+  from k3jax.config import ImplConfig
   from k3jax.model import init_variables
-  init = jax.jit(init_variables, static_argnums=(0, 2, 3))
+  init = jax.jit(functools.partial(init_variables, impl=ImplConfig() if impl is None else impl),
+                 static_argnums=(0, 2, 3))
   return nn.meta.unbox(init(cfg, jax.random.PRNGKey(0), 1, 8))
 
 
@@ -74,7 +77,7 @@ def segment_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
   q [B, T, H, D], k [B, T, Hk, D], v [B, T, Hk, Dv] (GQA: query head i reads key head
   i // (H / Hk)), segment_ids [B, T] int -> [B, T, H, Dv] fp32. Every query sees at least itself.
   zero_padding: zero the outputs of the padding queries (segment 0), as
-  `attention_gpu.pallas_attention` does (through `jnp.where`, so their gradients are zero too);
+  `attention_gpu.mosaic_backward_attention` does (through `jnp.where`, so their gradients are zero too);
   without it a padding run is attended as a document of its own, as the kernel-level
   `flash_attention` does with the ranges of `key_ranges`. With each id in one run per row (the
   tests' inputs), this equals attention over maximal runs of equal ids.

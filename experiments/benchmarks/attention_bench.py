@@ -1,21 +1,14 @@
-"""Packed-document softmax attention on one GPU: the previous dense-mask path against the new ones.
+"""Packed-document softmax attention on one GPU: k3jax's implementations side by side.
 
 MLA's head dims (H 6, q/k 192, v 128), bf16, B 1 (--batch), causal within documents. Variants:
-  dense_mask_cudnn    the previous k3jax path (copied here): a [B, T, T] mask from segment ids,
-                      cuDNN with it as a [B, 1, T, T] mask, V padded to 192.
   cudnn_causal        cuDNN, plain causal over the whole row, no mask (the reference speed; not
                       document attention, so no numerics row).
   tokamax             tokamax Mosaic GPU, Mask(k_start=document start, is_causal=True), its stock
-                      sm90 backward (its heuristic tiles).
-  tokamax_vjp         the same with the backward's tiles given; one row per --tokamax-vjp-configs
-                      entry.
-  tokamax_pallas_bwd  the same forward, pallas_kernels.flash_attention's backward (skips blocks
-                      outside the documents); one row per --pallas-configs entry.
-  pallas              pallas_kernels.flash_attention forward and backward; one row per entry.
-  tokamax_mosaic_bwd  tokamax's forward, pallas_kernels.flash_attention's Mosaic GPU backward (the
-                      same block skipping, wgmma tiles; dk/dv in two kernels, one, or Triton's);
-                      one row per --mosaic-configs entry.
-  cudnn_packed        cuDNN's packed (THD) layout, one sequence per document (max_documents 16).
+                      sm90 backward (its heuristic tiles): `attention_gpu.tokamax_attention`.
+  tokamax_mosaic_bwd  tokamax's forward, pallas_kernels.flash_attention's Mosaic GPU backward
+                      (skips the blocks outside the documents; wgmma tiles; dq, then dV and dK in
+                      two kernels): `attention_gpu.mosaic_backward_attention`; one row per
+                      --mosaic-configs entry.
   xla                 k3jax's blockwise XLA path (only up to --xla-max-t tokens).
 
 Timing shapes: T = 8192 with 1 document, and T = 65536 with 8 documents whose lengths are a
@@ -30,7 +23,8 @@ a dense fp32 computation (HIGHEST precision) from the same bf16 inputs; the issu
 
 One JSON line per result; a variant that fails prints {"error": ...} and the run goes on.
 Run (one H200): PYTHONPATH=. python experiments/benchmarks/attention_bench.py
---smoke: small shapes on CPU (XLA and the Pallas kernels in the interpreter).
+--smoke: small shapes on CPU: xla, and tokamax_mosaic_bwd with the Mosaic GPU backward in its
+interpreter behind a dense fp32 forward (`dense_forward_lse`; tokamax's forward needs a GPU).
 """
 from __future__ import annotations
 
@@ -50,21 +44,12 @@ import numpy as np  # noqa: E402
 
 from k3jax.ops import attention_gpu  # noqa: E402
 from k3jax.ops.attention import attention  # noqa: E402
-from pallas_kernels.flash_attention import FlashConfig, MosaicBwdConfig  # noqa: E402
+from pallas_kernels.flash_attention import MosaicBwdConfig  # noqa: E402
 
-VARIANTS = ("dense_mask_cudnn", "cudnn_causal", "tokamax", "tokamax_vjp", "tokamax_pallas_bwd",
-            "pallas", "tokamax_mosaic_bwd", "cudnn_packed", "xla")
-# block_q_dq, block_k_dq, block_q_dkv, block_k_dkv, num_stages, compute_wgs[, flags]: the Mosaic GPU
-# backward's tiles (flags: `mosaic_config`).
+VARIANTS = ("cudnn_causal", "tokamax", "tokamax_mosaic_bwd", "xla")
+# block_q_dq, block_k_dq, block_q_dkv, block_k_dkv, num_stages, compute_wgs[, smem]: the Mosaic GPU
+# backward's tiles (`mosaic_config`).
 MOSAIC_CONFIGS = ("64,64,64,64,2,2",)
-# tokamax's sm90 backward tiles (block_q_dkv, block_kv_dkv, block_q_dq, block_kv_dq, num_stages,
-# compute_wgs): its heuristic is 64,64,64,64,2,2; these are its autotuning set's corners.
-TOKAMAX_VJP_CONFIGS = ("64,128,64,128,2,2", "128,64,128,64,2,2", "64,128,128,64,2,2",
-                       "128,128,128,128,2,1", "64,64,64,64,3,2", "128,128,64,64,2,1")
-# block_q, block_k, block_q_dkv, block_k_dkv, num_warps, num_stages (the same launch for all three
-# kernels). Head dim 192 is read as 128 + 64 inside the kernels (it was padded to 256 until run 12):
-# 64-row tiles keep q, k, v of a step within the H200's shared memory at 2 stages.
-PALLAS_CONFIGS = ("64,64,64,64,4,2", "128,64,64,128,8,2", "64,64,64,64,4,3", "128,32,32,128,8,2")
 
 _T0 = time.time()
 
@@ -74,25 +59,18 @@ def emit(**row):
   print(json.dumps(row), flush=True)
 
 
-def flash_config(spec: str, interpret: bool) -> FlashConfig:
-  bq, bk, bq_dkv, bk_dkv, warps, stages = (int(x) for x in spec.split(","))
-  launch = (warps, stages)
-  return FlashConfig(block_q=bq, block_k=bk, block_q_dkv=bq_dkv, block_k_dkv=bk_dkv,
-                     fwd_launch=launch, dq_launch=launch, dkv_launch=launch, interpret=interpret)
-
-
 def mosaic_config(spec: str, interpret: bool) -> MosaicBwdConfig:
-  """'bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,mosaic|triton][,smem]' -> MosaicBwdConfig: 'mosaic' /
-  'triton' make dk/dv with one Mosaic kernel or the Triton one (`MosaicBwdConfig.dkv`; default
-  two Mosaic kernels), 'smem' stages P and dS through shared memory."""
+  """'bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,smem]' -> MosaicBwdConfig: 'smem' stages P and dS
+  through shared memory (always so in the interpreter, which supports nothing else)."""
   fields = spec.split(",")
   names = ("block_q_dq", "block_k_dq", "block_q_dkv", "block_k_dkv", "num_stages", "compute_wgs")
   flags = set(fields[6:])
-  if flags - {"mosaic", "triton", "smem"}:
-    raise ValueError(f"unknown --mosaic-configs flags {sorted(flags)}: mosaic, triton, smem")
-  dkv = ([f for f in ("mosaic", "triton") if f in flags] or ["mosaic_split"])[0]
-  return MosaicBwdConfig(**dict(zip(names, (int(x) for x in fields[:6]))), dkv=dkv,
-                         register_operands="smem" not in flags, interpret=interpret)
+  if len(fields) < 6 or flags - {"smem"}:
+    raise ValueError(f"--mosaic-configs entry {spec!r}: bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs "
+                     "and optionally ',smem'")
+  return MosaicBwdConfig(**dict(zip(names, (int(x) for x in fields[:6]))),
+                         register_operands=not (interpret or "smem" in flags),
+                         interpret=interpret)
 
 
 def segments(t: int, n_docs: int, pad: int, seed: int = 0, batch: int = 1) -> np.ndarray:
@@ -114,87 +92,44 @@ def doc_lengths(seg: np.ndarray) -> list[int]:
   return [int(c) for _, c in sorted(zip(ids, counts))]
 
 
-def previous_dense_mask_cudnn(q, k, v, seg, *, scale):
-  """The attention path before this benchmark's variants (k3jax main at 2400dae): a dense mask."""
-  mask = (seg[:, :, None] == seg[:, None, :]) & (seg[:, :, None] != 0)
+def dense_forward_lse(q, k, v, segment_ids, *, scale: float, causal: bool):
+  """`attention_gpu.tokamax_forward_lse`'s contract computed densely in fp32 (HIGHEST precision;
+  [B, H, T, T] logits: small shapes only), for the Mosaic GPU backward in its interpreter: (out
+  [B, T, H, Dv] in q.dtype, lse [B, H, T] fp32, +inf where a query sees nothing). A query sees
+  the keys of its run of equal segment ids (padding runs included, as the backward's ranges)."""
+  h, hk = q.shape[2], k.shape[2]
+  k, v = (jnp.repeat(x.astype(jnp.float32), h // hk, axis=2) for x in (k, v))
   t = q.shape[1]
-  mask &= jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
-  d, dv = q.shape[-1], v.shape[-1]
-  v = jnp.pad(v, ((0, 0), (0, 0), (0, 0), (0, d - dv)))
-  out = jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], scale=scale,
-                                     implementation="cudnn")[..., :dv]
-  return out * jnp.any(mask, axis=-1)[:, :, None, None].astype(out.dtype)
-
-
-def _packed_layout(segment_ids: jax.Array, max_documents: int):
-  """cuDNN's per-row document table: lengths [B, M] and offsets [B, M + 1] (unused: -1), and
-  whether a row has more than M runs ([B] bool)."""
-  b, t = segment_ids.shape
-  start, end = attention_gpu.document_bounds(segment_ids)
-  idx = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-  is_first = start == idx
-  run = jnp.cumsum(is_first, axis=1, dtype=jnp.int32) - 1
-  rows = jnp.broadcast_to(jnp.arange(b)[:, None], (b, t))
-  slot = jnp.where(is_first & (run < max_documents), run, max_documents + 1)  # +1: dropped
-  offsets = jnp.full((b, max_documents + 1), -1, jnp.int32).at[rows, slot].set(idx, mode="drop")
-  lengths = jnp.full((b, max_documents), -1, jnp.int32).at[rows, slot].set(end - start,
-                                                                          mode="drop")
-  return lengths, offsets, run[:, -1] + 1 > max_documents
-
-
-def cudnn_packed_attention(  # tried, not a k3jax path: wrong outputs on an H200 (run 9)
-    q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
-                           max_documents: int) -> jax.Array:
-  """cuDNN flash attention in the packed (THD) layout, one sequence per document (sm90+, cuDNN
-  >= 9.10 for q/k head dim != v head dim). Shapes as `tokamax_attention`; a row with more than
-  `max_documents` runs (padding runs included) returns NaN."""
-  from jax._src.cudnn import fused_attention_stablehlo as cudnn_fa  # pylint: disable=import-outside-toplevel
-  lengths, offsets, overflow = _packed_layout(segment_ids, max_documents)
-  mask_type = cudnn_fa.MaskType.PADDING_CAUSAL if causal else cudnn_fa.MaskType.PADDING
-  out = cudnn_fa.dot_product_attention(q, k, v, q_seqlen=lengths, kv_seqlen=lengths,
-                                       q_offsets=offsets, kv_offsets=offsets, scale=scale,
-                                       mask_type=mask_type, qkv_layout="BTNH")
-  out = jnp.where(overflow[:, None, None, None], jnp.nan, out).astype(q.dtype)
-  return jnp.where((segment_ids != 0)[:, :, None, None], out, 0)
-
+  mask = segment_ids[:, :, None] == segment_ids[:, None, :]
+  if causal:
+    mask &= jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]
+  logits = jnp.einsum("bthd,bshd->bhts", q.astype(jnp.float32), k,
+                      precision=jax.lax.Precision.HIGHEST) * scale
+  logits = jnp.where(mask[:, None], logits, -jnp.inf)
+  lse = jax.nn.logsumexp(logits, axis=-1)
+  probs = jnp.exp(logits - jnp.where(jnp.isneginf(lse), 0.0, lse)[..., None])
+  out = jnp.einsum("bhts,bshv->bthv", probs, v, precision=jax.lax.Precision.HIGHEST)
+  return out.astype(q.dtype), jnp.where(jnp.isneginf(lse), jnp.inf, lse)
 
 
 def variant_fns(name: str, seg, scale: float, args) -> list[tuple[str, object]]:
-  """[(label, f(q, k, v) -> out)] for one variant (several for the Pallas configurations)."""
+  """[(label, f(q, k, v) -> out)] for one variant (several for the Mosaic configurations)."""
   seg = jnp.asarray(seg)
-  if name == "dense_mask_cudnn":
-    return [(name, lambda q, k, v: previous_dense_mask_cudnn(q, k, v, seg, scale=scale))]
   if name == "cudnn_causal":
     return [(name, lambda q, k, v: attention_gpu.cudnn_causal_attention(q, k, v, scale=scale,
                                                                           causal=True))]
   if name == "tokamax":
     return [(name, lambda q, k, v: attention_gpu.tokamax_attention(q, k, v, seg, scale=scale,
                                                                      causal=True))]
-  if name == "tokamax_vjp":
-    return [(f"{name}[{spec}]", functools.partial(
-        lambda q, k, v, cfg: attention_gpu.tokamax_attention(q, k, v, seg, scale=scale,
-                                                             causal=True, vjp_config=cfg),
-        cfg=tuple(int(x) for x in spec.split(","))))
-        for spec in args.tokamax_vjp_configs.split(";")]
-  if name in ("tokamax_pallas_bwd", "pallas"):
-    forward = "tokamax" if name == "tokamax_pallas_bwd" else "pallas"
-    out = []
-    for spec in args.pallas_configs.split(";"):
-      cfg = flash_config(spec, interpret=args.smoke)
-      out.append((f"{name}[{spec}]", functools.partial(
-          lambda q, k, v, cfg, forward: attention_gpu.pallas_attention(
-              q, k, v, seg, scale=scale, causal=True, forward=forward, config=cfg),
-          cfg=cfg, forward=forward)))
-    return out
   if name == "tokamax_mosaic_bwd":
-    return [(f"{name}[{spec}]", functools.partial(
-        lambda q, k, v, cfg: attention_gpu.pallas_attention(
-            q, k, v, seg, scale=scale, causal=True, forward="tokamax", mosaic_backward=cfg),
+    # --smoke (CPU): the backward in Mosaic GPU's interpreter behind the dense forward.
+    forward, suffix = ((dense_forward_lse, "+dense_fwd") if args.smoke
+                       else (attention_gpu.tokamax_forward_lse, ""))
+    return [(f"{name}[{spec}]{suffix}", functools.partial(
+        lambda q, k, v, cfg: attention_gpu.mosaic_backward_attention(
+            q, k, v, seg, scale=scale, causal=True, backward=cfg, forward=forward),
         cfg=mosaic_config(spec, interpret=args.smoke)))
         for spec in args.mosaic_configs.split(";")]
-  if name == "cudnn_packed":
-    return [(name, lambda q, k, v: cudnn_packed_attention(
-        q, k, v, seg, scale=scale, causal=True, max_documents=args.max_documents))]
   if name == "xla":
     return [(name, lambda q, k, v: attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg,
                                              scale=scale, implementation="xla"))]
@@ -296,10 +231,13 @@ def timings(args, t: int, n_docs: int, h: int, d: int, dv: int):
     for label, f in fns:
       for mode in args.modes.split(","):
         try:
+          # --smoke: one timed call after one warm-up (the interpreter takes seconds a call).
+          timing = (dict(reps=1, warmup=1, min_warmup_s=0.0, batches=1) if args.smoke
+                    else dict(reps=args.reps))
           if mode == "fwd":
-            ms = time_ms(jax.jit(f), (q, k, v), reps=args.reps)
+            ms = time_ms(jax.jit(f), (q, k, v), **timing)
           else:
-            ms = time_ms(jax.jit(vjp_fn(f)), (q, k, v, do), reps=args.reps)
+            ms = time_ms(jax.jit(vjp_fn(f)), (q, k, v, do), **timing)
           emit(kind="time", variant=label, mode=mode, B=args.batch, T=t, H=h, D=d, Dv=dv,
                docs=doc_lengths(seg[:1]),
                ms=round(ms, 4))
@@ -338,27 +276,23 @@ def main():
   p.add_argument("--numerics-docs", type=int, default=8)
   p.add_argument("--heads", type=int, default=6)
   p.add_argument("--batch", type=int, default=1, help="rows of the timings (each its own documents)")
-  p.add_argument("--tokamax-vjp-configs", default=";".join(TOKAMAX_VJP_CONFIGS),
-                 help="';'-separated tokamax backward tiles for the tokamax_vjp variant")
   p.add_argument("--head-dim", type=int, default=192)
   p.add_argument("--v-dim", type=int, default=128)
-  p.add_argument("--pallas-configs", default=";".join(PALLAS_CONFIGS),
-                 help="';'-separated block_q,block_k,block_q_dkv,block_k_dkv,warps,stages")
   p.add_argument("--mosaic-configs", default=";".join(MOSAIC_CONFIGS),
-                 help="';'-separated bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,flags] (mosaic_config)")
-  p.add_argument("--max-documents", type=int, default=16, help="cudnn_packed's static bound")
+                 help="';'-separated bq_dq,bk_dq,bq_dkv,bk_dkv,stages,wgs[,smem] (mosaic_config)")
   p.add_argument("--xla-max-t", type=int, default=8192)
   p.add_argument("--reps", type=int, default=20)
   p.add_argument("--kernel-times", action="store_true",
                  help="after each timing, each kernel's ms per call from a profiler trace (GPU)")
   p.add_argument("--smoke", action="store_true",
-                 help="small shapes on CPU: xla and pallas (interpreter) variants")
+                 help="small shapes on CPU: xla, and tokamax_mosaic_bwd's backward in the "
+                      "interpreter behind a dense forward")
   args = p.parse_args()
   if args.smoke:
-    args.variants = "xla,pallas,tokamax,tokamax_vjp"
+    args.variants = "xla,tokamax_mosaic_bwd"
     args.shapes, args.numerics_t, args.numerics_docs = "256x1,512x4", "256", 4
     args.heads, args.head_dim, args.v_dim = 2, 48, 32
-    args.pallas_configs, args.reps, args.xla_max_t = "32,32,32,32,4,2", 2, 512
+    args.xla_max_t = 512
   emit(kind="setup", backend=jax.default_backend(), devices=[str(x) for x in jax.devices()],
        jax=jax.__version__, variants=args.variants)
   for t in (int(x) for x in args.numerics_t.split(",") if x):

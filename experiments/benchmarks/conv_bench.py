@@ -8,17 +8,17 @@ ms per call, median of 5 batches of 20 calls after a warm-up. One JSON line per 
 
   vjp                k3jax's conv_silu: dy materialised in fp32, dx from shifted copies of it, one
                      reduction per tap for the kernel gradient.
-  pallas             conv_silu(..., backward='pallas'): the forward and the backward as Pallas kernels
-                     (pallas_kernels/short_conv; ModelConfig.kda_conv_backward = 'pallas').
-  shifted_recompute  tried in session 16 and not adopted (1.7-1.8x slower on an H200, RESULTS.md
+  pallas             conv_silu(..., kernel_choice='pallas'): the forward and the backward as Pallas
+                     kernels (pallas_kernels/short_conv; ImplConfig.kda_conv_kernel = 'pallas').
+  shifted_recompute  tried and not adopted (1.7-1.8x slower on an H200, RESULTS.md
                      run 16): each of dx's W terms recomputes y and dy at its shift from the inputs,
                      so that nothing [B, T, C] is materialised; XLA's fused kernel is then bound by
                      the W² taps and W sigmoids per element, not by memory.
   autodiff           jax.grad of causal_conv1d then silu (what the layer ran before its VJP).
 
 Run (one GPU): PYTHONPATH=. python experiments/benchmarks/conv_bench.py;  --smoke: tiny, on CPU.
---sweep=128:256:1:1,64:256:1:1:0,...: the forward alone and the backward alone, XLA's against the
-Pallas kernels at each chunk_t:block_c:num_warps:num_stages[:branch (0 or 1, default 1)].
+--sweep=128:256:1:1,64:256:1:1,...: the forward alone and the backward alone, XLA's against the
+Pallas kernels at each chunk_t:block_c:num_warps:num_stages.
 """
 from __future__ import annotations
 
@@ -94,7 +94,7 @@ def _autodiff(x, kernel, segment_ids, out_dtype):
 
 
 def _pallas(x, kernel, segment_ids, out_dtype):
-  return conv.conv_silu(x, kernel, segment_ids, out_dtype, backward="pallas")
+  return conv.conv_silu(x, kernel, segment_ids, out_dtype, kernel_choice="pallas")
 
 
 VARIANTS = {"vjp": conv.conv_silu, "pallas": _pallas, "shifted_recompute": _shifted_recompute,
@@ -140,10 +140,9 @@ def sweep(x, kernel, seg, dout, configs: str, reps: int):
                         ms=round(time_ms(pads, (x,), reps), 4))), flush=True)
   rows = [("xla", xla_fwd, xla_bwd)]
   for text in configs.split(","):
-    chunk, bc, warps, stages, *branch = (int(v) for v in text.split(":"))
-    cfg = short_conv.ConvConfig(chunk_t=chunk, block_c=bc,
-                                branch=bool(branch[0]) if branch else True,
-                                launch=(warps, stages), interpret=jax.default_backend() == "cpu")
+    chunk, bc, warps, stages = (int(v) for v in text.split(":"))
+    cfg = short_conv.ConvConfig(chunk_t=chunk, block_c=bc, launch=(warps, stages),
+                                interpret=jax.default_backend() == "cpu")
     rows.append((text,
                  jax.jit(lambda x, k, s, cfg=cfg: short_conv.conv_silu_fwd(x, k, s, jnp.bfloat16,
                                                                            cfg)),
@@ -172,8 +171,7 @@ def main():
   p.add_argument("--smoke", action="store_true", help="2 x 64 x 16 on CPU, 2 reps")
   p.add_argument("--sweep", default="",
                  help="forward and backward alone: XLA's against the Pallas kernels at each "
-                      "block_t:block_c:"
-                      "tiles_per_program:num_warps:num_stages of this comma list (skips the "
+                      "chunk_t:block_c:num_warps:num_stages of this comma list (skips the "
                       "variants above)")
   args = p.parse_args()
   if args.smoke:

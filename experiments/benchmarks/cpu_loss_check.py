@@ -1,18 +1,20 @@
-r"""Issue 17's loss check: a speed change must leave the CPU fp32 losses where they were.
+r"""CPU loss check: a change that should not change the math must leave the fp32 losses bit for bit.
 
-Four training steps of the tests' tiny config (`tests/testlib.py`'s TINY_RUN_BINDINGS with
-`tests/test_train.py`'s checkpoint and evaluation bindings, 8 experts, 256 tokens a step, fp32,
-seed 0) through `k3jax.train.train`, once on one CPU device and once on an `expert:8` mesh of 8
-CPU devices. Prints one JSON line per mesh with the losses (full precision) and their largest
-relative difference from the reference below; exits 1 if it exceeds --rtol (1e-5, the issue's
-bound).
+A few training steps of the tests' tiny config (`tests/testlib.py`'s TINY_RUN_BINDINGS with
+checkpoint and evaluation bindings, 8 experts, 256 tokens a step, fp32, seed 0) through
+`k3jax.training.train`, in several cases: one CPU device; the `expert:8` and `data:2,expert:4`
+meshes of 8 CPU devices; micro-batches in the 'scan' loop and in the 'host' loop; the per-layer
+decoder with full remat; aux-loss balancing with QK-Clip. Prints one JSON line per case with the
+losses and gradient norms (full precision).
 
-The reference is this script's output at 8dd2d21. The one-device losses equal those run 15 recorded
-at 4c54c09 with the same bindings. Runs 16-23 quote other values for steps 3-4 (5.9063..., 5.6570...):
-those came from a script kept outside the repository, whose bindings are not recorded; this file
-replaces it.
+  PYENV_VERSION=3.12.1 python experiments/benchmarks/cpu_loss_check.py --save=before.json
+  ... change the code ...
+  PYENV_VERSION=3.12.1 python experiments/benchmarks/cpu_loss_check.py --against=before.json
 
-    PYENV_VERSION=3.12.1 python experiments/benchmarks/cpu_loss_check.py   # ~2 min on 2 cores
+--against exits 1 unless every case's losses and gradient norms equal the saved ones exactly
+(XLA:CPU's code differs by CPU, so compare runs on one machine). Without either flag, the
+one-device and expert:8 losses are compared with REFERENCE below at --rtol (1e-5): what this
+script printed on a 2-core x86 machine at the commit that introduced it.
 """
 from __future__ import annotations
 
@@ -31,8 +33,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
 from k3jax import config as config_lib  # noqa: E402
-from k3jax import metrics as metrics_lib  # noqa: E402
-from k3jax import train as train_lib  # noqa: E402
+from k3jax import training  # noqa: E402
+from k3jax.training import metrics as metrics_lib  # noqa: E402
 from testlib import TINY_RUN_BINDINGS  # noqa: E402
 
 BINDINGS = TINY_RUN_BINDINGS + [
@@ -40,33 +42,64 @@ BINDINGS = TINY_RUN_BINDINGS + [
     "EvalConfig.passkey_multipliers = ()", "EvalConfig.log_every_steps = 1",
     "StagesConfig.tokens_per_step = 256", "ModelConfig.moe_num_experts = 8",
 ]
-# Per mesh axes: the losses of steps 1-4.
+STEPS = 4
+# Case name -> extra bindings.
+CASES = {
+    "one device": [],
+    "expert:8": ["MeshConfig.axes = 'expert:8'"],
+    "data:2,expert:4 micro-batches": ["MeshConfig.axes = 'data:2,expert:4'",
+                                      "StagesConfig.tokens_per_step = 512",
+                                      "StagesConfig.microbatch_tokens = 256"],
+    "host loop micro-batches": ["StagesConfig.microbatch_tokens = 64",
+                                "RuntimeConfig.microbatch_loop = 'host'"],
+    "per-layer decoder, full remat": ["ImplConfig.scan_layers = False", "ImplConfig.remat = 'full'"],
+    "aux loss and QK-Clip": ["ModelConfig.moe_balance = 'aux_loss'",
+                             "OptimizerConfig.qk_clip_tau = 1.0"],
+}
+# The first two cases' losses (steps 1-4) on a 2-core x86 machine.
 REFERENCE = {
-    "": [6.097482681274414, 5.923370361328125, 5.903079986572266, 5.627105712890625],
-    "expert:8": [6.0974836349487305, 5.92336893081665, 5.903079509735107, 5.627106189727783],
+    "one device": [6.097482681274414, 5.923370361328125, 5.903079986572266, 5.627105712890625],
+    "expert:8": [6.0974836349487305, 5.923369407653809, 5.903079509735107, 5.627106189727783],
 }
 
 
-def losses_for(axes: str, steps: int) -> list[float]:
-  cfg = config_lib.from_gin([], BINDINGS + [f"MeshConfig.axes = '{axes}'"])
+def run_case(bindings: list[str]) -> dict:
+  """{'loss': [...], 'grad_norm': [...]} of the first STEPS steps."""
+  cfg = config_lib.from_gin([], BINDINGS + bindings)
   with tempfile.TemporaryDirectory() as workdir:
-    train_lib.train(cfg, workdir, max_steps=steps, progress=False, tensorboard=False)
+    training.train(cfg, workdir, max_steps=STEPS, progress=False, tensorboard=False)
     records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
-  return [r["loss"] for r in sorted(records, key=lambda r: r["step"]) if r["kind"] == "train"]
+  train = sorted((r for r in records if r["kind"] == "train"), key=lambda r: r["step"])
+  return {"loss": [r["loss"] for r in train], "grad_norm": [r["grad_norm"] for r in train]}
 
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--rtol", type=float, default=1e-5)
+  p.add_argument("--save", default="", help="write every case's results to this JSON file")
+  p.add_argument("--against", default="", help="compare with a file written by --save")
+  p.add_argument("--rtol", type=float, default=1e-5, help="tolerance against REFERENCE")
   args = p.parse_args()
-  ok = True
-  for axes, expected in REFERENCE.items():
-    got = losses_for(axes, len(expected))
-    rel = max(abs(g - e) / abs(e) for g, e in zip(got, expected)) if len(got) == len(expected) \
-        else float("inf")
-    ok &= rel <= args.rtol
-    print(json.dumps({"mesh": axes or "one device", "losses": got, "max_rel_diff": rel,
-                      "bit_identical": got == expected}), flush=True)
+  saved = {}
+  if args.against:
+    with open(args.against) as f:
+      saved = json.load(f)
+  cases = CASES if (args.save or args.against) else {k: CASES[k] for k in REFERENCE}
+  results, ok = {}, True
+  for name, bindings in cases.items():
+    got = results[name] = run_case(bindings)
+    line = {"case": name, **got}
+    if args.against:
+      line["bit_identical"] = got == saved.get(name)
+      ok &= line["bit_identical"]
+    elif not args.save:
+      want = REFERENCE[name]
+      rel = max(abs(g - e) / abs(e) for g, e in zip(got["loss"], want))
+      line["max_rel_diff_to_reference"] = rel
+      ok &= rel <= args.rtol
+    print(json.dumps(line), flush=True)
+  if args.save:
+    with open(args.save, "w") as f:
+      json.dump(results, f, indent=2)
   return 0 if ok else 1
 
 

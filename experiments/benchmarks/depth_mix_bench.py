@@ -8,10 +8,10 @@ Variants:
   pallas      depth_mix(kernel='pallas'): the same math and residuals as one Pallas kernel forward
               and one backward (pallas_kernels/depth_mix, default DepthMixConfig; interpreted on
               CPU), each reading every source from HBM once.
-  pallas_r{R}_w{W}_d{D}_s{P}[_res]  with --sweep_block_rows/--sweep_warps/--sweep_block_d/
-              --sweep_stages/--sweep_resident: depth_mix_fused with DepthMixConfig(block_rows=R,
-              num_warps=W, block_d=D, num_stages=P, resident=...), one variant per combination
-              (the others at their defaults).
+  pallas_r{R}_w{W}_d{D}_s{P}  with --sweep_block_rows/--sweep_warps/--sweep_block_d/
+              --sweep_stages: depth_mix_fused with DepthMixConfig(block_rows=R, num_warps=W,
+              block_d=D, num_stages=P), one variant per combination (the others at their
+              defaults).
 
 Per variant and number of sources S (--sources): bf16 [B, T, d] sources, fp32 query [d], and
   fwd_ms / fwdbwd_ms  the jitted forward, and the jitted VJP (h, then d_sources and d_query from a
@@ -68,21 +68,20 @@ def pallas_depth_mix(sources, query, valid, eps):
   return depth_mix(sources, query, valid, eps, kernel="pallas")
 
 
-def kernel_variants(block_rows, warps, block_d, stages, resident) -> dict:
+def kernel_variants(block_rows, warps, block_d, stages) -> dict:
   """{name: mix} for every DepthMixConfig of the sweep (none when no sweep flag is given)."""
-  if not (block_rows or warps or block_d or stages or resident):
+  if not (block_rows or warps or block_d or stages):
     return {}
   default = DepthMixConfig()
   variants = {}
   for config in (DepthMixConfig(block_rows=r, num_warps=w, block_d=d, num_stages=p,
-                                resident=bool(k), interpret=jax.default_backend() == "cpu")
+                                interpret=jax.default_backend() == "cpu")
                  for r in block_rows or [default.block_rows]
                  for w in warps or [default.num_warps]
                  for d in block_d or [default.block_d]
-                 for p in stages or [default.num_stages]
-                 for k in resident or [default.resident]):
+                 for p in stages or [default.num_stages]):
     name = (f"pallas_r{config.block_rows}_w{config.num_warps}_d{config.block_d}"
-            f"_s{config.num_stages}" + ("_res" if config.resident else ""))
+            f"_s{config.num_stages}")
     variants[name] = lambda s, q, valid, eps, config=config: depth_mix_fused(s, q, valid, eps,
                                                                              config)
   return variants
@@ -171,15 +170,12 @@ def main():
                  help="comma-separated DepthMixConfig.block_d (channel chunk caps) to time")
   p.add_argument("--sweep_stages", type=ints, default=[],
                  help="comma-separated DepthMixConfig.num_stages (Triton pipelining) to time")
-  p.add_argument("--sweep_resident", type=ints, default=[],
-                 help="comma-separated DepthMixConfig.resident (0, 1) to time")
   p.add_argument("--smoke", action="store_true", help="B 2, T 64, d 32, S = 1, 3 (CPU)")
   args = p.parse_args()
   if args.smoke:
     args.batch, args.seq, args.width, args.sources = 2, 64, 32, [1, 3]
   variants = dict(VARIANTS, **kernel_variants(args.sweep_block_rows, args.sweep_warps,
-                                              args.sweep_block_d, args.sweep_stages,
-                                              args.sweep_resident))
+                                              args.sweep_block_d, args.sweep_stages))
   emit(device=str(jax.devices()[0]), jax=jax.__version__)
   for num_sources in args.sources:
     run_case(args.batch, args.seq, args.width, num_sources, variants)

@@ -1,10 +1,11 @@
 r"""Training-step throughput of a K3 config on one device vs an expert-parallel mesh, same global batch.
 
 For each layout in --layouts ('single' = one device, no mesh; otherwise a mesh spec such as
-'expert:2' or 'data:2,expert:4'), the script builds the real training step of `k3jax.train`
-(`init_train_state` + `make_train_step`, with the state and batch shardings of `k3jax.sharding` and
-the MoE's all_to_all expert-parallel path inside the mesh), runs it on random tokens of shape
-[--batch, --seq_len] (the global batch, identical for every layout), and prints one JSON line:
+'expert:2' or 'data:2,expert:4'), the script builds the real training step of `k3jax.training`
+(`init_train_state` + `make_train_step`, with the state and batch shardings of
+`k3jax.parallel.sharding` and the MoE's all_to_all expert-parallel path inside the mesh), runs it
+on random tokens of shape [--batch, --seq_len] (the global batch, identical for every layout),
+and prints one JSON line:
 
   lower_s, compile_s, temp_gib
                  tracing and XLA compilation times of the step, and the compiled step's
@@ -47,8 +48,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3jax import sharding as sharding_lib  # noqa: E402
-from k3jax import train as train_lib  # noqa: E402
+from k3jax import cli  # noqa: E402
+from k3jax import training as train_lib  # noqa: E402
+from k3jax.parallel import sharding as sharding_lib  # noqa: E402
 from k3jax.model import K3Model  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -114,7 +116,7 @@ def collective_time_from_profile(logdir: str, device_index: int = 0) -> dict:
 
 def run_layout(cfg, layout: str, batch: int, seq_len: int, steps: int, warmup: int,
                profile_steps: int, seed: int = 0) -> dict:
-  model = K3Model(cfg.model)
+  model = K3Model(cfg.model, cfg.impl)
   mesh = None if layout == "single" else sharding_lib.make_mesh(layout)
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10_000, mesh=mesh)
   rng = np.random.default_rng(seed)
@@ -220,7 +222,7 @@ def main(argv=None):
   layouts = args.layouts.split(";") if ";" in args.layouts else args.layouts.split(",")
   if not args.in_process:
     return _run_children(argv if argv is not None else sys.argv[1:], layouts, args.layout_timeout)
-  cfg = train_lib.config_from_flags(gin_files, args.gin_bindings)
+  cfg = cli.config_from_flags(gin_files, args.gin_bindings)
   emit(event="start", backend=jax.default_backend(), devices=[str(d) for d in jax.devices()],
        jax=jax.__version__, gin_files=gin_files, bindings=args.gin_bindings)
   for layout in layouts:

@@ -1,26 +1,41 @@
 #!/usr/bin/env bash
-# Issue 5's measurements on one host with two GPUs, in priority order, each step with its own time
-# limit so that one stuck step cannot eat the others' time. Logs go to ${OUT:-runs/ep_gpu}.
-#   source experiments/benchmarks/gpu_env.sh && bash experiments/benchmarks/ep_gpu.sh
-# Start-up on an H200 is about 3 minutes per process (session 3: compiling the initialisation
-# 74-95 s, the training step 53-57 s plus 21-24 s of tracing, the evaluation 23 s), so each step
-# below fits one 10-minute device call: EP_GPU_STEPS picks them ("train" by default; "bench",
-# "bench64"). The "bench" figures of session 3 are in RESULTS.md.
+# Expert parallelism on one machine with two GPUs: small.gin's training step on one GPU against two
+# (ep_bench.py), and a short run of the training CLI with its experts split over both GPUs.
+#
+#   bash experiments/benchmarks/ep_gpu.sh [LOG_DIR] [STEP...]
+#
+# Run from anywhere (it runs in the repository root); needs k3jax installed with its GPU extras
+# (pip install -e ".[gpu]"). LOG_DIR (default runs/ep_gpu) receives one log per step. STEP is any
+# of, in the order given (default: bench train):
+#   bench    tokens/s on one GPU against two (layout expert:2) at the same global batch of 32K
+#            tokens (16 rows of 2048, micro-batched as small.gin says) -> LOG_DIR/ep_32k.jsonl
+#   train    small.gin trains with --mesh=expert:2 on text for 16 steps -> LOG_DIR/train_ep.log,
+#            with the run's metrics.jsonl and eval.json (its run directory: LOG_DIR/train_ep)
+#   bench64  64K tokens a step without micro-batches (32 rows of 2048): one GPU's memory limit
+#            -> LOG_DIR/ep_64k.jsonl
+# Each step has its own time limit, so that a stuck one leaves the others their time; start-up is
+# a few minutes per process (compiling the initialisation, the step and the evaluation).
 set -u
-out=${OUT:-runs/ep_gpu}
-mkdir -p "$out"
-steps=${EP_GPU_STEPS:-train}
+out=${1:-runs/ep_gpu}
+shift || true
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(bench train)
+mkdir -p "$out" && out=$(cd "$out" && pwd)   # LOG_DIR is relative to where the script is run
+cd "$(dirname "$0")/../.."
 bench=experiments/benchmarks/ep_bench.py
 common=(--gin_file=gin_configs/small.gin --steps=6 --warmup=2 --profile_steps=2)
+export XLA_PYTHON_CLIENT_PREALLOCATE=false
 
-for step in $steps; do
+for step in "${steps[@]}"; do
+  echo "=== $step"
   case $step in
-    bench)  # tokens/s on one GPU vs two (expert-parallel), same global batch of 32K tokens.
-      timeout 560 python3 "$bench" "${common[@]}" --layouts=single,expert:2 --seq_len=2048 \
-        --batch=16 --layout_timeout=275 2>&1 | grep '^{' | tee "$out/ep_32k.jsonl" ;;
-    train)  # small.gin trains with expert parallelism on text: a short run of the real CLI.
-      timeout 420 python3 -m k3jax.train --gin_file=gin_configs/small.gin --mesh=expert:2 \
-        --workdir=/tmp/small_ep --max_steps=16 --noprogress \
+    bench)
+      timeout 600 python3 "$bench" "${common[@]}" --layouts=single,expert:2 --seq_len=2048 \
+        --batch=16 --layout_timeout=290 2>&1 | grep '^{' | tee "$out/ep_32k.jsonl" ;;
+    train)
+      rm -rf "$out/train_ep"
+      timeout 900 python3 -m k3jax.train --gin_file=gin_configs/small.gin --mesh=expert:2 \
+        --workdir="$out/train_ep" --max_steps=16 --noprogress \
         --gin_bindings='StagesConfig.tokens_per_step = 32768' \
         --gin_bindings='StagesConfig.stages = ((2048, 40), (8192, 10))' \
         --gin_bindings='DataConfig.max_bytes = 8000000' \
@@ -29,11 +44,11 @@ for step in $steps; do
         --gin_bindings='EvalConfig.log_every_steps = 1' \
         --gin_bindings='CheckpointConfig.every_steps = 1000' > "$out/train_ep.log" 2>&1
       echo "train exit $?" | tee -a "$out/train_ep.log"
-      cp /tmp/small_ep/metrics.jsonl /tmp/small_ep/eval.json "$out/" 2>/dev/null ;;
-    bench64)  # 64K tokens at once (no micro-batches): the memory limit of one GPU.
-      timeout 560 python3 "$bench" "${common[@]}" --layouts=single,expert:2 --seq_len=2048 \
-        --batch=32 --gin_bindings='StagesConfig.microbatch_tokens = 0' ${EP_GPU_BINDINGS:-} \
-        --layout_timeout=275 2>&1 | grep '^{' | tee "$out/ep_64k.jsonl" ;;
+      cp "$out/train_ep/metrics.jsonl" "$out/train_ep/eval.json" "$out/" 2>/dev/null ;;
+    bench64)
+      timeout 600 python3 "$bench" "${common[@]}" --layouts=single,expert:2 --seq_len=2048 \
+        --batch=32 --gin_bindings='StagesConfig.microbatch_tokens = 0' \
+        --layout_timeout=290 2>&1 | grep '^{' | tee "$out/ep_64k.jsonl" ;;
     *) echo "ep_gpu.sh: unknown step $step (allowed: bench train bench64)"; exit 2 ;;
   esac
 done

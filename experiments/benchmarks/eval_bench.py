@@ -1,5 +1,6 @@
-r"""The stage-end evaluation (`k3jax.evaluate.Evaluator`) of a gin config on one device: time and
-peak memory of the validation pass (loss by position, no [B, T, vocab] logits) and of passkey.
+r"""The stage-end evaluation (`k3jax.training.evaluation.Evaluator`) of a gin config on one
+device: time and peak memory of the validation pass (loss by position, no [B, T, vocab] logits)
+and of passkey.
 
 Initialised params (the cost does not depend on their values) and random packed rows (documents of
 geometric length, mean --doc_len, as train_bench.py builds them) stand in for a run's checkpoint and
@@ -28,13 +29,13 @@ from train_bench import emit, first_line, random_rows, _peak_gib
 
 
 def run_length(cfg, model, params, moe_state, seq_len: int, doc_len: int) -> dict:
-  from k3jax import evaluate as evaluate_lib
-  from k3jax import train as train_lib
+  from k3jax.training import evaluation as evaluate_lib
+  from k3jax.training.run_data import Data
   from k3jax.data.tokenizers import ByteTokenizer
   batch_size = max(1, cfg.stages.tokens_per_step // seq_len)
   rows = [random_rows(batch_size, seq_len, "packed", cfg.model.vocab_size, 0, doc_len, seed=i)
           for i in range(cfg.eval.num_batches)]
-  data = train_lib.Data(None, lambda *_: rows, ByteTokenizer(), None, 1.0)
+  data = Data(None, lambda *_: rows, ByteTokenizer(), None, 1.0)
   evaluator = evaluate_lib.Evaluator(cfg, model, data)
   times = []
   for _ in range(2):
@@ -70,24 +71,25 @@ def main(argv=None) -> int:
 
   import jax
   from k3jax import config as config_lib
-  from k3jax import train as train_lib
+  from k3jax import training as train_lib
   from k3jax.data.tokenizers import ByteTokenizer
+  from k3jax.model import K3Model
 
   gin_files = ["gin_configs/tiny.gin"] if args.smoke else (args.gin_file
                                                            or ["gin_configs/small.gin"])
   seq_lens = [128, 256] if args.smoke else args.seq_lens
   doc_len = 100 if args.smoke else args.doc_len
   smoke = ["EvalConfig.passkey_max_len = 512", "EvalConfig.position_buckets = (0, 64, 128)",
-           "ModelConfig.position_chunk_tokens = 1024"] if args.smoke else []
+           "ImplConfig.position_chunk_tokens = 1024"] if args.smoke else []
   cfg = config_lib.from_gin(gin_files, list(args.gin_bindings) + smoke
                             + [f"EvalConfig.num_batches = {args.num_batches}"])
   if cfg.model.vocab_size < ByteTokenizer().vocab_size:
     p.error(f"ModelConfig.vocab_size = {cfg.model.vocab_size}: the passkey needs the byte "
             "tokenizer's 257 ids")
   state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps)
-  model = train_lib.K3Model(cfg.model)
+  model = K3Model(cfg.model, cfg.impl)
   emit(event="config", gin_files=gin_files, bindings=args.gin_bindings,
-       device=str(jax.devices()[0]), position_chunk_tokens=cfg.model.position_chunk_tokens,
+       device=str(jax.devices()[0]), position_chunk_tokens=cfg.impl.position_chunk_tokens,
        passkey_max_len=cfg.eval.passkey_max_len, position_buckets=list(cfg.eval.position_buckets))
   failed = 0
   for seq_len in seq_lens:

@@ -24,7 +24,7 @@ from typing import Mapping
 import hlo_memory
 import kernel_scopes
 
-# bf16 matmul 8192^3 through jax.jit on one H200 (spec/PERFORMANCE.md): the MFU denominator.
+# bf16 matmul 8192^3 through jax.jit on one H200 (docs/performance.md): the MFU denominator.
 PEAK_TFLOPS_H200 = 869.0
 _HEADER = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) .*\{\s*$")
 _ARRAY = re.compile(r"^[a-z]+\d*\[([\d,]*)\]")

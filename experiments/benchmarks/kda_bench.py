@@ -8,8 +8,8 @@ q/k L2-norm in the op). Prints one JSON line per measurement:
   fla: triton's do_bench) of forward and forward+backward. The forward is the call without a
   gradient: for Pallas the kernels that store nothing for a backward (`ops._forward`), for fla the
   same kernels as under autograd (its forward does not depend on it);
-- TFLOP/s by the chunk FLOP count of the Kimi Linear paper (`k3jax.flops.kda_chunk_flops`, eq. 13:
-  per head 6·T·d² + 3·T·C·d + T·C², forward; forward+backward counted as 3× that);
+- TFLOP/s by the chunk FLOP count of the Kimi Linear paper (`k3jax.model.flops.kda_chunk_flops`,
+  eq. 13: per head 6·T·d² + 3·T·C·d + T·C², forward; forward+backward counted as 3× that);
 - memory of forward+backward at every shape: for JAX the compiled step's inputs + outputs +
   temporaries (XLA's memory analysis), for fla torch's max_memory_allocated after a reset.
 
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from k3jax.flops import kda_chunk_flops  # noqa: E402
+from k3jax.model.flops import kda_chunk_flops  # noqa: E402
 from k3jax.ops import kda as kda_ops  # noqa: E402
 from pallas_kernels.kda import chunk_kda as pallas_chunk_kda  # noqa: E402
 from pallas_kernels.kda.backward import dense_bwd, intra_bwd, scan_bwd  # noqa: E402

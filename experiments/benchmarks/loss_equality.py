@@ -1,21 +1,19 @@
-r"""Issue 15's loss equality: the training step's losses on the new kernels against the old path.
+r"""Loss equality: the training step's losses on the GPU kernels against the plain XLA path.
 
-small.gin's real training step (`k3jax.train_step.init_train_state` + `make_train_step`, as
-train_bench.py builds it: the config's optimizer, QB and micro-batching; the model config of the
-stage whose row length this is, else stage 0's) runs --steps steps from the same seed on the same
-batches (packed rows of random tokens, documents of geometric length with mean --doc_len, from
-train_bench.random_rows; batch i is seed i) once per path:
+small.gin's real training step (`k3jax.training.init_train_state` + `make_train_step`, as
+train_bench.py builds it: the config's optimizer, QB and micro-batching; the implementation
+settings of the stage whose row length this is, else stage 0's) runs --steps steps from the same
+seed on the same batches (packed rows of random tokens, documents of geometric length with mean
+--doc_len, from train_bench.random_rows; batch i is seed i) once per path:
 
-  old         the pre-issue path: `ModelConfig.attention_impl = 'xla'` (the blockwise XLA flash
+  old         the XLA path: `ImplConfig.attention_impl = 'xla'` (the blockwise XLA flash
               attention; the cuDNN dense-mask path that packed rows used before is gone, and
-              'cudnn' now refuses segment ids) and `ModelConfig.moe_grouped_matmul = 'tiled'`.
+              'cudnn' now refuses segment ids) and `ImplConfig.moe_grouped_matmul = 'tiled'`.
               The reference every other path is compared with.
   new         today's defaults ('auto' for both). On an H200 at 2048 tokens per row: tokamax's
               Mosaic flash attention with its stock backward (`ops/attention.py`: 'auto' picks
               'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row (16384 then, 4096 since
-              run 16), the Pallas backward above) and tokamax's Mosaic grouped matmul.
-  pallas_bwd  'auto' MoE with `attention_impl = 'tokamax_pallas_bwd'`: tokamax's forward and
-              k3jax's Pallas backward, which 'auto' used only above 16K-token rows then (GPU only).
+              run 16), 'tokamax_mosaic_bwd' above) and tokamax's Mosaic grouped matmul.
 
 Both 'auto' choices fall back to XLA on CPU: there 'old' and 'new' compile the same program and
 their losses are equal to the bit. The KDA backend is the config's own ('auto') on every path.
@@ -33,7 +31,6 @@ Exit status: 0 when every path passes, 1 when one does not (or failed to run).
 
 GPU (one H200; two cold compiles of small.gin's step, ~100-150 s each):
   PYTHONPATH=. python experiments/benchmarks/loss_equality.py            # old vs new, 4 steps
-  PYTHONPATH=. python experiments/benchmarks/loss_equality.py --paths=old,pallas_bwd
 --smoke: tiny.gin, 2 x 128 tokens (mean document 48 tokens), 2 steps (CPU).
 """
 from __future__ import annotations
@@ -53,11 +50,10 @@ _PROCESS_START = time.time()
 
 REFERENCE = "old"
 PATH_BINDINGS = {
-    "old": ["ModelConfig.attention_impl = 'xla'", "ModelConfig.moe_grouped_matmul = 'tiled'"],
+    "old": ["ImplConfig.attention_impl = 'xla'", "ImplConfig.moe_grouped_matmul = 'tiled'"],
     "new": [],
-    "pallas_bwd": ["ModelConfig.attention_impl = 'tokamax_pallas_bwd'"],
 }
-TOLERANCE = 2e-3   # issue 15: the step's loss within 2e-3 relative of the old path's
+TOLERANCE = 2e-3   # the step's loss within 2e-3 relative of the old path's
 
 
 def parse_paths(text: str) -> list[str]:
@@ -97,9 +93,9 @@ def compare(path: dict, reference: dict, tolerance: float) -> dict:
               tolerance=tolerance, passed=bool(max_loss_rel <= tolerance))
 
 
-def attention_resolution(mcfg, batch: int, seq_len: int) -> str:
-  """The implementation the MLA layers' attention resolves to here for packed rows (what 'auto'
-  picks on this device at these shapes)."""
+def attention_resolution(mcfg, impl, batch: int, seq_len: int) -> str:
+  """The implementation the MLA layers' attention (ImplConfig `impl`, model config `mcfg`)
+  resolves to here for packed rows (what 'auto' picks on this device at these shapes)."""
   import jax
   import jax.numpy as jnp
   from k3jax.ops import attention as attention_ops
@@ -107,7 +103,7 @@ def attention_resolution(mcfg, batch: int, seq_len: int) -> str:
   q = jax.ShapeDtypeStruct((batch, seq_len, mcfg.mla_num_heads,
                             mcfg.mla_qk_nope_dim + mcfg.mla_qk_rope_dim), dtype)
   v = jax.ShapeDtypeStruct((batch, seq_len, mcfg.mla_num_heads, mcfg.mla_v_dim), dtype)
-  return attention_ops._resolve(mcfg.attention_impl, q, v, has_segments=True,
+  return attention_ops._resolve(impl.attention_impl, q, v, has_segments=True,
                                 has_positions=False)
 
 
@@ -118,16 +114,17 @@ def run_path(name: str, gin_files: list[str], bindings: list[str], host_batches:
   import jax
   import jax.numpy as jnp
 
-  from k3jax import train as train_lib
+  from k3jax import cli
+  from k3jax import training as train_lib
   from k3jax.model import K3Model
 
-  cfg = train_bench.config_at_length(train_lib.config_from_flags(gin_files, bindings), seq_len)
+  cfg = train_bench.config_at_length(cli.config_from_flags(gin_files, bindings), seq_len)
   mcfg = cfg.model
   t0 = time.perf_counter()
   state, optimizer, schedule = train_lib.init_train_state(cfg, cfg.stages.total_steps)
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
-  step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule)
+  step_fn = train_lib.make_train_step(cfg, K3Model(mcfg, cfg.impl), optimizer, schedule)
   batches = [{k: jnp.asarray(v) for k, v in b.items()} for b in host_batches]
   compiled, trace_lower_s, compile_s = train_bench.lower_and_compile(step_fn, state, batches[0])
   train_bench.emit(event="progress", path=name, init_s=round(init_s, 2),
@@ -142,7 +139,8 @@ def run_path(name: str, gin_files: list[str], bindings: list[str], host_batches:
     lrs.append(float(m["lr"]))
   steps_s = time.perf_counter() - t0
   row = dict(event="path", path=name, bindings=bindings, attention=attention_resolution(
-      mcfg, *host_batches[0]["inputs"].shape), moe_grouped_matmul=mcfg.moe_grouped_matmul,
+      mcfg, cfg.impl, *host_batches[0]["inputs"].shape),
+      moe_grouped_matmul=cfg.impl.moe_grouped_matmul,
       losses=losses, grad_norms=grad_norms, lrs=lrs, init_s=round(init_s, 2),
       trace_lower_s=round(trace_lower_s, 2), compile_s=round(compile_s, 2),
       steps_s=round(steps_s, 2))
@@ -158,7 +156,7 @@ def main(argv=None) -> int:
   p.add_argument("--gin_file", action="append", default=None,
                  help="the config (default gin_configs/small.gin)")
   p.add_argument("--gin_bindings", action="append", default=[],
-                 help="applied to every path, e.g. \"ModelConfig.remat = 'full'\"")
+                 help="applied to every path, e.g. \"ImplConfig.remat = 'full'\"")
   p.add_argument("--candidate_bindings", action="append", default=[],
                  help="applied to every path but 'old' (after --gin_bindings): a deliberate "
                       "difference, e.g. \"Config.seed = 1\", must be reported as unequal")
@@ -186,12 +184,12 @@ def main(argv=None) -> int:
   if not args.tolerance > 0:
     raise ValueError(f"--tolerance = {args.tolerance} must be a positive float")
 
-  from k3jax import compiler
+  from k3jax.runtime import compiler
   compiler.enable_compilation_cache(args.cache_dir)
   import jax
 
-  from k3jax import train as train_lib
-  base = train_lib.config_from_flags(gin_files, args.gin_bindings).model
+  from k3jax import cli
+  base = cli.config_from_flags(gin_files, args.gin_bindings).model
   # The same batches for every path: batch i of the run is random_rows' seed i.
   host = [train_bench.random_rows(args.batch, args.seq_len, "packed", base.vocab_size,
                                   base.vocab_size - 1, args.doc_len, seed=i)

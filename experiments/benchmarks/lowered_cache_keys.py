@@ -1,5 +1,5 @@
 r"""Why did a launch trace again? The lowered cache's entries of each function and how their keys
-differ (`k3jax.lowered_cache`).
+differ (`k3jax.runtime.lowered_cache`).
 
 A warm launch that traces a program again (a slow `trace_lower_s` in train_bench, a long
 "lowered in" in the training log) wrote a second entry for the same function. For every function
@@ -19,7 +19,7 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from k3jax import lowered_cache  # noqa: E402
+from k3jax.runtime import lowered_cache  # noqa: E402
 
 
 def key_differences(a, b, path: str = "") -> list[str]:

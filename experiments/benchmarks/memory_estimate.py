@@ -3,7 +3,8 @@ r"""Compiled memory of a config's training step per stage, without running it (o
   PYTHONPATH=. python experiments/benchmarks/memory_estimate.py [--gin_file=gin_configs/small.gin]
       [--seq_lens=65536,262144,1048576] [--remat=full] [--position_chunk_tokens=65536] [--smoke]
 
-For each row length: the stage's model config (StagesConfig.remat / --remat) and batch
+For each row length: the stage's implementation settings (`Config.stage_impl`:
+ImplConfig.stage_remat / --remat) and batch
 (tokens_per_step // seq_len rows, micro-batched as StagesConfig.microbatch_tokens says), an
 abstract train state (`jax.eval_shape`), `make_train_step(...).lower(state, batch).compile()`
 and its `memory_analysis()`. Prints one JSON line per length: temp (the step's scratch: live
@@ -25,9 +26,9 @@ import jax
 import jax.numpy as jnp
 
 from k3jax import config as config_lib
-from k3jax import optim
-from k3jax import train as train_lib
+from k3jax import training as train_lib
 from k3jax.model import K3Model, init_variables
+from k3jax.training import optim
 
 GIB = float(1 << 30)
 
@@ -35,11 +36,13 @@ GIB = float(1 << 30)
 def estimate(cfg: config_lib.Config, seq_len: int) -> dict:
   """Compiled memory of `cfg`'s train step at rows of `seq_len` (one stage of that length)."""
   stage = [s for s, _ in cfg.stages.stages].index(seq_len)
-  mcfg = config_lib.stage_model_config(cfg, stage)
-  stage_cfg = dataclasses.replace(cfg, model=mcfg)
-  # The state's shapes as `train.init_train_state` builds it, traced only (its jit cannot nest).
+  impl = cfg.stage_impl(stage)
+  stage_cfg = dataclasses.replace(cfg, impl=impl)
+  # The state's shapes as `training.init_train_state` builds it, traced only (its jit cannot
+  # nest).
   abstract_vars = jax.eval_shape(
-      lambda: init_variables(mcfg, jax.random.PRNGKey(0), 1, cfg.stages.stages[0][0]))
+      lambda: init_variables(cfg.model, jax.random.PRNGKey(0), 1, cfg.stages.stages[0][0],
+                             impl=impl))
   optimizer, schedule = optim.make_optimizer(cfg.optimizer, cfg.stages.total_steps,
                                              optim.logical_axes(abstract_vars["params"]))
 
@@ -51,7 +54,7 @@ def estimate(cfg: config_lib.Config, seq_len: int) -> dict:
                                 rng=jax.random.PRNGKey(0))
 
   state = jax.eval_shape(assemble, abstract_vars)
-  step = train_lib.make_train_step(stage_cfg, K3Model(mcfg), optimizer, schedule)
+  step = train_lib.make_train_step(stage_cfg, K3Model(cfg.model, impl), optimizer, schedule)
   rows = cfg.stages.batch_size(stage)
   tokens = jax.ShapeDtypeStruct((rows, seq_len), jnp.int32)
   batch = {"inputs": tokens, "targets": tokens, "segment_ids": tokens,
@@ -65,7 +68,7 @@ def estimate(cfg: config_lib.Config, seq_len: int) -> dict:
   peak = temp + arg + out - alias
   return {"seq_len": seq_len, "stage": stage, "batch_rows": rows,
           "rows_per_microbatch": cfg.stages.microbatch_rows(seq_len, rows),
-          "remat": mcfg.remat, "position_chunk_tokens": mcfg.position_chunk_tokens,
+          "remat": impl.remat, "position_chunk_tokens": impl.position_chunk_tokens,
           "backend": jax.default_backend(), "temp_bytes": temp, "argument_bytes": arg,
           "output_bytes": out, "alias_bytes": alias, "temp_gib": round(temp / GIB, 2),
           "peak_estimate_gib": round(peak / GIB, 2), "compile_s": round(seconds, 1)}
@@ -77,10 +80,10 @@ def main():
   p.add_argument("--gin_bindings", action="append", default=[])
   p.add_argument("--seq_lens", default="65536,262144,1048576",
                  help="comma-separated row lengths, each one of the config's stage lengths")
-  p.add_argument("--remat", default="", help="ModelConfig.remat for every stage (overrides "
-                 "StagesConfig.remat); empty: the config's")
+  p.add_argument("--remat", default="", help="ImplConfig.remat for every stage (overrides "
+                 "ImplConfig.stage_remat); empty: the config's")
   p.add_argument("--position_chunk_tokens", type=int, default=-1,
-                 help="ModelConfig.position_chunk_tokens; -1: the config's")
+                 help="ImplConfig.position_chunk_tokens; -1: the config's")
   p.add_argument("--smoke", action="store_true", help="tiny.gin at 64 and 256 tokens (CPU)")
   args = p.parse_args()
   gin_file, seq_lens = args.gin_file, [int(s) for s in args.seq_lens.split(",") if s]
@@ -89,9 +92,9 @@ def main():
     gin_file, seq_lens = "gin_configs/tiny.gin", [64, 256]
     bindings.append("StagesConfig.stages = ((64, 2), (256, 2))")
   if args.remat:
-    bindings += ["StagesConfig.remat = ()", f"ModelConfig.remat = {args.remat!r}"]
+    bindings += ["ImplConfig.stage_remat = ()", f"ImplConfig.remat = {args.remat!r}"]
   if args.position_chunk_tokens >= 0:
-    bindings.append(f"ModelConfig.position_chunk_tokens = {args.position_chunk_tokens}")
+    bindings.append(f"ImplConfig.position_chunk_tokens = {args.position_chunk_tokens}")
   cfg = config_lib.from_gin([gin_file], bindings)
   for seq_len in seq_lens:
     try:

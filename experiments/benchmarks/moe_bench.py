@@ -6,11 +6,13 @@ One JSON line per result (`event: result`), three parts (--parts, default all):
            small.gin's shapes (16 x 2048 tokens x top-4 = 131072 rows; gate+up 384 -> 32 experts x
            1024, out 512 -> 384), random group sizes summing to the rows, for 'ragged_dot'
            (jax.lax.ragged_dot), 'tiled' (tiled_ragged_dot) and 'tokamax' (tokamax_ragged_dot:
-           Mosaic GPU on an H200, XLA on CPU; the row says which): fwd_ms, fwdbwd_ms (value and
-           both gradients), TFLOP/s of each (2·rows·K·N per matmul, three matmuls for fwd+bwd).
-  layer    `k3jax.layers.moe.LatentMoE` with small.gin's ModelConfig at 16 x 2048 tokens (bf16),
-           forward+backward (gradients of the parameters and the input) for each of --matmuls
-           ('tiled' = the old choice, 'tokamax' = the new one), fwdbwd_ms, and the loss value
+           Mosaic GPU on an H200, XLA on CPU; the row says which), from k3jax.ops.grouped_matmul:
+           fwd_ms, fwdbwd_ms (value and both gradients), TFLOP/s of each (2·rows·K·N per matmul,
+           three matmuls for fwd+bwd).
+  layer    `k3jax.layers.moe.LatentMoE` with small.gin's ModelConfig and ImplConfig at 16 x 2048
+           tokens (bf16), forward+backward (gradients of the parameters and the input) for each
+           of --matmuls (ImplConfig.moe_grouped_matmul: 'tiled' = the old choice, 'tokamax' = the
+           new one), fwdbwd_ms, and the loss value
            (equal across choices up to bf16 rounding).
   trace    the same layer step under jax.profiler: device time of the kernels whose name has
            'scatter' or 'gather' in it, and the total, per choice (trace_times.py reads the
@@ -38,7 +40,7 @@ import numpy as np
 from k3jax import config as config_lib
 from k3jax.layers import common
 from k3jax.layers.moe import LatentMoE
-from k3jax.ops import moe as moe_ops
+from k3jax.ops import grouped_matmul
 
 GROUPED_CHOICES = ("ragged_dot", "tiled", "tokamax")
 
@@ -61,7 +63,7 @@ def time_ms(fn, *args, warmup: int, iters: int) -> float:
 
 def grouped_fn(choice: str):
   """(the grouped matmul of `choice`, a name saying which implementation runs)."""
-  fn = moe_ops.default_ragged_dot(choice)
+  fn = grouped_matmul.default_ragged_dot(choice)
   if choice == "tokamax":
     return fn, f"tokamax:{fn.keywords['implementation']}"
   return fn, choice
@@ -102,12 +104,12 @@ def bench_grouped(rows: int, shapes: dict, experts: int, args) -> None:
            fwdbwd_tflops=round(3 * flops / fwdbwd_ms / 1e9, 2))
 
 
-def layer_step(model_cfg, choice: str, batch: int, seq_len: int):
-  """(jitted fwd+bwd of LatentMoE with moe_grouped_matmul = choice, params, x)."""
-  cfg = dataclasses.replace(model_cfg, moe_grouped_matmul=choice)
-  layer = LatentMoE(cfg)
-  x = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, cfg.d_model), jnp.float32)
-  x = x.astype(common.to_dtype(cfg.dtype))
+def layer_step(model_cfg, impl_cfg, choice: str, batch: int, seq_len: int):
+  """(jitted fwd+bwd of LatentMoE(model_cfg, impl_cfg) with ImplConfig.moe_grouped_matmul =
+  choice, params, x)."""
+  layer = LatentMoE(model_cfg, dataclasses.replace(impl_cfg, moe_grouped_matmul=choice))
+  x = jax.random.normal(jax.random.PRNGKey(1), (batch, seq_len, model_cfg.d_model), jnp.float32)
+  x = x.astype(common.to_dtype(model_cfg.dtype))
   variables = layer.init(jax.random.PRNGKey(0), x)
   params, moe_state = variables["params"], variables["moe_state"]
 
@@ -118,9 +120,9 @@ def layer_step(model_cfg, choice: str, batch: int, seq_len: int):
   return jax.jit(jax.value_and_grad(loss, argnums=(0, 1))), params, x
 
 
-def bench_layer(model_cfg, args) -> None:
+def bench_layer(model_cfg, impl_cfg, args) -> None:
   for choice in args.matmuls:
-    step, params, x = layer_step(model_cfg, choice, args.batch, args.seq_len)
+    step, params, x = layer_step(model_cfg, impl_cfg, choice, args.batch, args.seq_len)
     ms = time_ms(step, params, x, warmup=args.warmup, iters=args.iters)
     value = float(step(params, x)[0])
     impl = grouped_fn(choice)[1] if choice in GROUPED_CHOICES else choice
@@ -128,10 +130,10 @@ def bench_layer(model_cfg, args) -> None:
          seq_len=args.seq_len, dtype=model_cfg.dtype, fwdbwd_ms=round(ms, 3), loss=value)
 
 
-def bench_trace(model_cfg, args) -> None:
+def bench_trace(model_cfg, impl_cfg, args) -> None:
   from experiments.benchmarks.trace_times import device_line_times, stream_kernel_times
   for choice in args.matmuls:
-    step, params, x = layer_step(model_cfg, choice, args.batch, args.seq_len)
+    step, params, x = layer_step(model_cfg, impl_cfg, choice, args.batch, args.seq_len)
     jax.block_until_ready(step(params, x))
     with tempfile.TemporaryDirectory() as logdir:
       with jax.profiler.trace(logdir):
@@ -158,7 +160,7 @@ def main(argv=None):
                  help="tiny shapes (tiny.gin's layer), runs on CPU")
   p.add_argument("--parts", default="grouped,layer,trace")
   p.add_argument("--matmuls", default="tiled,tokamax",
-                 help="the layer's moe_grouped_matmul choices")
+                 help="the layer's ImplConfig.moe_grouped_matmul choices")
   p.add_argument("--batch", type=int, default=None)
   p.add_argument("--seq_len", type=int, default=None)
   p.add_argument("--iters", type=int, default=20)
@@ -179,7 +181,8 @@ def main(argv=None):
     gin, rows, experts, shapes = "gin_configs/small.gin", 131072, 32, {"gate_up": (384, 1024),
                                                                        "out": (512, 384)}
     args.batch, args.seq_len = args.batch or 16, args.seq_len or 2048
-  model_cfg = config_lib.from_gin([gin]).model
+  cfg = config_lib.from_gin([gin])
+  model_cfg, impl_cfg = cfg.model, cfg.impl
   if args.smoke:  # tiny.gin trains in fp32 on CPU; the GPU shapes are bf16 like small.gin
     model_cfg = dataclasses.replace(model_cfg, dtype="bfloat16")
   devices = jax.devices()
@@ -188,9 +191,9 @@ def main(argv=None):
   if "grouped" in parts:
     bench_grouped(rows, shapes, experts, args)
   if "layer" in parts:
-    bench_layer(model_cfg, args)
+    bench_layer(model_cfg, impl_cfg, args)
   if "trace" in parts:
-    bench_trace(model_cfg, args)
+    bench_trace(model_cfg, impl_cfg, args)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.ops.moe import default_ragged_dot, routed_experts
+from k3jax.ops.grouped_matmul import default_ragged_dot
+from k3jax.ops.moe import routed_experts
 from k3jax.ops.moe_reference import dense_routed_experts
 
 B1, B2 = 4.0, 25.0

@@ -1,8 +1,8 @@
 r"""Tile sweep of the MoE's grouped-matmul kernels at its shapes, with their errors (one H200).
 
-The routed experts run three kernels per matmul (`k3jax.ops.moe.tokamax_ragged_dot`): the forward
-and dlhs on tokamax's `ragged_dot_sm90` (dlhs against the weights transposed), and drhs, the
-weights' gradient, on k3jax's `pallas_kernels.grouped_matmul` (tokamax's
+The routed experts run three kernels per matmul (`k3jax.ops.grouped_matmul.tokamax_ragged_dot`):
+the forward and dlhs on tokamax's `ragged_dot_sm90` (dlhs against the weights transposed), and
+drhs, the weights' gradient, on k3jax's `pallas_kernels.grouped_matmul` (tokamax's
 `ragged_contracting_dim_dot_sm90` returned wrong sums: RESULTS.md run 18). Without an
 autotuning-cache entry tokamax picks 64 x 64 x 128 tiles with two stages on sm90.
 
@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.ops import moe as moe_ops
+from k3jax.ops import grouped_matmul
+from k3jax.ops.moe_rows import zero_rows
 from moe_bench import time_ms   # this folder (the script's) is on sys.path
 from pallas_kernels.grouped_matmul import GroupedGradConfig, grouped_weight_grad
 
@@ -61,7 +62,7 @@ def parse_config(text: str):
   if text == HEURISTIC:
     return None
   bm, bn, bk, stages, persistent = (int(x) for x in text.split(":"))
-  return moe_ops.sm90_config(bm, bn, bk, stages, bool(persistent))
+  return grouped_matmul.sm90_config(bm, bn, bk, stages, bool(persistent))
 
 
 def dimension_numbers(kernel: str) -> jax.lax.RaggedDotDimensionNumbers:
@@ -70,7 +71,8 @@ def dimension_numbers(kernel: str) -> jax.lax.RaggedDotDimensionNumbers:
     return jax.lax.RaggedDotDimensionNumbers(
         dot_dimension_numbers=(([1], [1]), ([], [])), lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0])
-  return {"dlhs": moe_ops._DLHS_DIMS, "drhs": moe_ops._DRHS_DIMS}[kernel]  # pylint: disable=protected-access
+  return {"dlhs": grouped_matmul._DLHS_DIMS,  # pylint: disable=protected-access
+          "drhs": grouped_matmul._DRHS_DIMS}[kernel]  # pylint: disable=protected-access
 
 
 def kernel_fn(kernel: str, text: str):
@@ -129,10 +131,12 @@ def reference(kernel: str, a: jax.Array, b: jax.Array, sizes: np.ndarray) -> jax
 
 def defined_part(kernel: str, out: jax.Array, sizes: np.ndarray) -> jax.Array:
   """`out` with the rows past Σ sizes zeroed for fwd and dlhs: the kernels leave them unwritten
-  (k3jax zeroes them after the call, `k3jax.ops.moe.zero_rows`)."""
+  (k3jax zeroes them after the call, `k3jax.ops.moe_rows.zero_rows`)."""
   if kernel == "drhs":
     return out
-  return moe_ops.zero_rows(out, moe_ops._rows_in_groups(out.shape[0], jnp.asarray(sizes)))  # pylint: disable=protected-access
+  rows_in_groups = grouped_matmul._rows_in_groups  # pylint: disable=protected-access
+  keep = rows_in_groups(out.shape[0], jnp.asarray(sizes))
+  return zero_rows(out, keep)
 
 
 DRAWS = ("uniform", "skewed", "empty", "short")

@@ -2,7 +2,7 @@
 fp32 [d, E] as one bf16 matmul against w's three exact bf16 pieces) against the fp32 HIGHEST
 matmul it replaced; forward and both gradients (a value-and-grad of sum(logits · cotangent)).
 Also timed: Quantile Balancing's thresholds (`quantile_balance_thresholds`) and the router's
-lax.top_k, the other small ops of the router (session 27 tried a radix select and argmax rounds
+lax.top_k, the other small ops of the router (a radix select and argmax rounds were tried
 for them: RESULTS.md run 27).
 
 Shapes: medium.gin's 32K-token micro-batch (d 1536, 48 experts, top-4), small.gin's (768, 32).

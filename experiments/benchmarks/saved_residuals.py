@@ -4,14 +4,14 @@ The training step writes every saved activation (residual) once in the forward p
 once in the backward: on an H200 these writes alone were ~37 ms of medium.gin's 577 ms step
 (RESULTS.md, run 14), and they set the step's memory peak. This lists them for one training row of
 `--seq_len` tokens, from `jax.ad_checkpoint.saved_residuals` of the model's loss with the decoder
-unrolled (`ModelConfig.scan_layers = False`, so that each residual keeps the source line that
+unrolled (`ImplConfig.scan_layers = False`, so that each residual keeps the source line that
 produced it; the scanned decoder saves the same ones, stacked per iteration), grouped by source
 line, dtype and shape without the token axes; bytes per token are summed over the layers.
 
 The GPU's kernels are used where their residuals differ from the CPU paths: the Pallas KDA kernels
-(traced, not run) and tokamax's grouped matmul (`moe_grouped_matmul = 'tokamax'`, our custom VJP,
-tokamax's XLA implementation on CPU). Attention takes the CPU path (the GPU's tokamax and cuDNN
-kernels save q, k, v, the output and the log-sum-exp, as the blockwise path does).
+(traced, not run) and tokamax's grouped matmul (`ImplConfig.moe_grouped_matmul = 'tokamax'`, our
+custom VJP, tokamax's XLA implementation on CPU). Attention takes the CPU path (the GPU's tokamax
+and cuDNN kernels save q, k, v, the output and the log-sum-exp, as the blockwise path does).
 
   PYTHONPATH=. python experiments/benchmarks/saved_residuals.py --gin_file=gin_configs/medium.gin
 """
@@ -28,16 +28,18 @@ import jax
 import jax.numpy as jnp
 
 
-def _residual_bytes(mcfg, seq_len: int) -> dict:
-  """{(dtype, producing op and source line): [bytes, count]} of the residuals of one row."""
+def _residual_bytes(mcfg, impl, seq_len: int) -> dict:
+  """{(dtype, producing op and source line): [bytes, count]} of the residuals of one row of
+  `K3Model(mcfg, impl)`."""
   from jax._src import ad_checkpoint
   import pallas_kernels.kda as pallas_kda
-  from k3jax.evaluate import token_cross_entropy
+  from k3jax.training.loss import token_cross_entropy
   from k3jax.model import K3Model, init_variables
   from k3jax.ops import kda as kda_ops
 
-  model = K3Model(mcfg)
-  variables = jax.eval_shape(lambda: init_variables(mcfg, jax.random.PRNGKey(0), 1, seq_len))
+  model = K3Model(mcfg, impl)
+  variables = jax.eval_shape(lambda: init_variables(mcfg, jax.random.PRNGKey(0), 1, seq_len,
+                                                    impl=impl))
   moe_state = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), variables["moe_state"])
   shape = (1, seq_len)
 
@@ -70,9 +72,10 @@ def residual_table(cfg, seq_len: int, top: int) -> dict:
   """{'bytes_per_token', 'rows': [[bytes/token, count, dtype, source], ...]} for `cfg`: the
   residuals of a row of 2·seq_len tokens minus those of seq_len, per token (what does not grow
   with the row, the weights' bf16 copies, drops out)."""
-  mcfg = dataclasses.replace(cfg.model, scan_layers=False, moe_grouped_matmul="tokamax",
+  impl = dataclasses.replace(cfg.impl, scan_layers=False, moe_grouped_matmul="tokamax",
                              kda_backend="pallas", position_chunk_tokens=0)
-  short, long = _residual_bytes(mcfg, seq_len), _residual_bytes(mcfg, 2 * seq_len)
+  short = _residual_bytes(cfg.model, impl, seq_len)
+  long = _residual_bytes(cfg.model, impl, 2 * seq_len)
   table = []
   for key in set(short) | set(long):
     per_token = (long.get(key, [0, 0])[0] - short.get(key, [0, 0])[0]) / seq_len
@@ -91,8 +94,8 @@ def main(argv=None):
                       "outside attention)")
   p.add_argument("--top", type=int, default=40)
   args = p.parse_args(argv)
-  from k3jax import train as train_lib
-  cfg = train_lib.config_from_flags([args.gin_file], args.gin_bindings)
+  from k3jax import cli
+  cfg = cli.config_from_flags([args.gin_file], args.gin_bindings)
   out = residual_table(cfg, args.seq_len, args.top)
   print(json.dumps({"gin_file": args.gin_file, "seq_len": args.seq_len,
                     "bytes_per_token": out["bytes_per_token"]}))

@@ -1,5 +1,5 @@
 """The routed experts' SiTU-GLU activation alone on one device: XLA's fusions (`situ_glu`, what
-ModelConfig.moe_situ_glu = 'xla' runs) against the Pallas kernels (pallas_kernels/situ_glu,
+ImplConfig.moe_situ_glu = 'xla' runs) against the Pallas kernels (pallas_kernels/situ_glu,
 'pallas'), forward and forward + backward, and their agreement.
 
 Shapes: the grouped matmul's output [M, 2f] for small.gin's and medium.gin's 4 × 8192-token
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from conv_bench import time_ms   # the same timing loop (this folder is on sys.path)
-from k3jax.ops.moe import situ_glu
+from k3jax.ops.situ_glu import situ_glu
 from pallas_kernels.situ_glu import SituGluConfig, situ_glu_fused
 
 B1, B2 = 4.0, 25.0

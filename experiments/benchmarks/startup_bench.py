@@ -2,25 +2,25 @@ r"""Where a training run's start-up goes: initialisation and training step, trac
 
 For a config (gin files + bindings) and a batch shape, prints one JSON line per phase:
 
-  init   total_s: `train.init_train_state` on this machine's backend (trace, compile and run of
+  init   total_s: `training.init_train_state` on this machine's backend (trace, compile and run of
          the state: parameters, optimizer state, balance biases); then its main part,
          `model.init_variables`, phase by phase: trace_s, lower_s, compile_s, fusions
          (top-level fusions of the optimised HLO, a proxy for the code the backend generates);
-  step   the training step of `train.make_train_step`: trace_s (Python tracing to a jaxpr),
+  step   the training step of `training.make_train_step`: trace_s (Python tracing to a jaxpr),
          lower_s (jaxpr -> StableHLO, where the Pallas kernels become Triton IR), compile_s, and
          temp_gib from the compiled step's memory analysis; for a host-loop step
-         (StagesConfig.microbatch_loop = 'host', small.gin's and medium.gin's) trace_lower_s,
+         (RuntimeConfig.microbatch_loop = 'host', small.gin's and medium.gin's) trace_lower_s,
          its programs traced and lowered together.
 
 --platform=cuda on a machine without a GPU lowers for CUDA and stops there (compile times need the
 target device), but with the CPU machine's kernel choices: 'auto' picks the XLA KDA, the XLA
 attention and the tiled grouped matmul there, because the GPU's Pallas (Triton) and Mosaic kernels
 need a GPU device to lower ('No supported GPU devices found' with
-ModelConfig.kda_backend = 'pallas'). Its trace and lower times are the host work of that program,
+ImplConfig.kda_backend = 'pallas'). Its trace and lower times are the host work of that program,
 not of the GPU's (run 14: small.gin's step 4.3 s traced + 1.8 s lowered on a CPU machine, 15-20 s
 on the GPU machine, of which ~4 s lowering Mosaic kernels). The start line gives the decoder's
 layer plan (`k3jax.model.layer_plan`: scanned groups, period, unrolled layers); compare the scan
-with the unrolled loop through --gin_bindings='ModelConfig.scan_layers = True' (or False).
+with the unrolled loop through --gin_bindings='ImplConfig.scan_layers = True' (or False).
 
   PYTHONPATH=. python experiments/benchmarks/startup_bench.py --gin_file=gin_configs/small.gin \
       --seq_len=2048 --batch=16 [--platform=cuda]
@@ -35,7 +35,8 @@ import time
 import jax
 import jax.numpy as jnp
 
-from k3jax import train as train_lib
+from k3jax import cli
+from k3jax import training as train_lib
 from k3jax.model import K3Model, init_variables, layer_plan
 
 
@@ -66,9 +67,9 @@ def _measure(cfg, batch, seq_len, compile_here, lowering):
   (state, optimizer, schedule), total_s = _timed(
       lambda: jax.block_until_ready(train_lib.init_train_state(cfg, 100)))
   # Its main part, the parameter initialisation, again through the AOT path, phase by phase.
-  init_jit = jax.jit(init_variables, static_argnums=(0, 2, 3))
+  init_jit = jax.jit(init_variables, static_argnums=(0, 2, 3), static_argnames=("impl",))
   traced, trace_s = _timed(lambda: init_jit.trace(cfg.model, jax.random.PRNGKey(0), 1,
-                                                  cfg.stages.stages[0][0]))
+                                                  cfg.stages.stages[0][0], impl=cfg.impl))
   lowered, lower_s = _timed(lambda: traced.lower(**lowering))
   row = dict(phase="init", total_s=total_s, trace_s=trace_s, lower_s=lower_s)
   if compile_here:
@@ -76,7 +77,7 @@ def _measure(cfg, batch, seq_len, compile_here, lowering):
     row["fusions"] = _fusions(compiled)
   rows.append(row)
 
-  step = train_lib.make_train_step(cfg, K3Model(cfg.model), optimizer, schedule)
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule)
   spec = lambda dtype: jax.ShapeDtypeStruct((batch, seq_len), dtype)
   batch_spec = {"inputs": spec(jnp.int32), "targets": spec(jnp.int32),
                 "segment_ids": spec(jnp.int32), "loss_mask": spec(jnp.float32)}
@@ -85,10 +86,10 @@ def _measure(cfg, batch, seq_len, compile_here, lowering):
     traced, row["trace_s"] = _timed(lambda: step.trace(state, batch_spec))
     lowered, row["lower_s"] = _timed(lambda: traced.lower(**lowering))
   else:
-    # StagesConfig.microbatch_loop = 'host' (`k3jax.microbatch.HostLoopStep`): its programs are
-    # traced and lowered together, for the default backend only.
+    # RuntimeConfig.microbatch_loop = 'host' (`k3jax.runtime.host_loop.HostLoopStep`): its
+    # programs are traced and lowered together, for the default backend only.
     if lowering:
-      raise SystemExit("startup_bench: --platform needs StagesConfig.microbatch_loop = 'scan' "
+      raise SystemExit("startup_bench: --platform needs RuntimeConfig.microbatch_loop = 'scan' "
                        "(the host loop's step lowers for the default backend only)")
     lowered, row["trace_lower_s"] = _timed(lambda: step.lower(state, batch_spec))
   if compile_here:
@@ -108,9 +109,9 @@ def main(argv=None):
   p.add_argument("--platform", default=None,
                  help="lower for this platform ('cpu', 'cuda'); default: the default backend")
   args = p.parse_args(argv)
-  cfg = train_lib.config_from_flags(args.gin_file or ["gin_configs/small.gin"], args.gin_bindings)
+  cfg = cli.config_from_flags(args.gin_file or ["gin_configs/small.gin"], args.gin_bindings)
   platform = args.platform or jax.default_backend()
-  plan = layer_plan(cfg.model)
+  plan = layer_plan(cfg.model, cfg.impl.scan_layers)
   emit(event="start", backend=jax.default_backend(), platform=platform, jax=jax.__version__,
        gin_files=args.gin_file, bindings=args.gin_bindings, num_layers=cfg.model.num_layers,
        scan_groups=plan.num_groups, scan_period=plan.period,

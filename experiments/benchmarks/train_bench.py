@@ -1,8 +1,8 @@
 r"""The real training step of a gin config on one device: time, MFU, memory, compile and start-up.
 
 Each case is a gin config (+ --gin_bindings), a row length and a batch of rows, run by the training
-step of `k3jax.train` (`init_train_state` + `make_train_step`: the config's optimizer, QB, micro-
-batching) on random tokens. Rows are 'packed' (documents of geometric length, mean --doc_len
+step of `k3jax.training` (`init_train_state` + `make_train_step`: the config's optimizer, QB,
+micro-batching) on random tokens. Rows are 'packed' (documents of geometric length, mean --doc_len
 tokens: a BOS starts each, segment ids 1, 2, ... and loss mask as `k3jax.data.packing.make_batch`
 builds them from text) or 'single' (one document per row).
 
@@ -15,12 +15,12 @@ as it is known:
   progress  compile_s etc. as soon as known (a case that later fails or times out still says how
             far it got);
   result    step_ms (median of --steps timed steps after --warmup), tokens_per_s, tflops and mfu
-            (k3jax.flops.flops_per_token at the row length, against --peak_tflops), peak_gib
+            (k3jax.model.flops.flops_per_token at the row length, against --peak_tflops), peak_gib
             (the device allocator's peak_bytes_in_use), temp_gib (compiled step's temporaries),
             shapes_s (the state's shapes), init_s (initialisation: compile and run),
             trace_lower_s, compile_s (the step), first_step_s, startup_s (process start ->
             first step finished; the step is traced in a background thread, then compiled
-            there while the state initialises, as in `python -m k3jax.train`:
+            there while the state initialises, as `python -m k3jax.train` starts:
             step_ready_after_init_s is when it was compiled, counted from the initialisation's
             start, handoff_s its read back from the caches; with --sequential_startup one after
             the other),
@@ -42,14 +42,15 @@ as it is known:
 Case sets (--cases):
   throughput  small.gin at 4 x 8192 and medium.gin at 4 x 8192 (its 16K-token micro-batches: two
               per step), packed, each run cold and then warm;
-  curriculum  small.gin, one row of --seq_lens tokens (8192, 65536, 262144, 1048576), single then packed
-              (same shapes: the packed run finds the step compiled); the first case is re-run warm;
+  curriculum  small.gin, one row of --seq_lens tokens (8192, 65536, 262144, 1048576), single then
+              packed (same shapes: the packed run finds the step compiled); the first case is
+              re-run warm;
   one         --gin_file, --seq_len, --batch, --rows, once cold and once warm.
 --no_warm_rerun runs every case once; --compile_only stops each case after compiling its step.
 --smoke: tiny.gin, one case of 2 x 128 tokens (two micro-batches of one row), 2 steps (CPU).
 
   XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/train_bench.py \
-      --cases=throughput [--profile=/tmp/prof] [--gin_bindings="ModelConfig.remat = 'dots'"]
+      --cases=throughput [--profile=/tmp/prof] [--gin_bindings="ImplConfig.remat = 'dots'"]
 
 --budget_s (default 570) bounds the whole driver: each case gets at most what is left, and cases
 that cannot start in time are reported as errors.
@@ -214,14 +215,14 @@ def scope_kernel_times(ops: dict, hlo_text: str, steps: int, model_cfg, seq_len:
   """{'top_scopes': [[scope, ms per step], ...], 'by_module': [[kind, ms per step, share], ...],
   'moe_time_share', 'moe_time_share_max', 'moe_flop_share'}: the step's kernel time attributed
   through each kernel's HLO instruction to the model (kernel_scopes.py), and the MoE layers' share
-  of it against their share of the forward FLOPs (k3jax.flops.forward_flops_breakdown; the
+  of it against their share of the forward FLOPs (k3jax.model.flops.forward_flops_breakdown; the
   backward's FLOPs are in the same proportion). Kernels that neither their instruction nor their
   name tie to a module (cuBLAS GEMMs launched from command buffers) count in moe_time_share_max,
   the share's upper bound, and not in moe_time_share."""
   sys.path.insert(0, _HERE)
   import hlo_memory
   import kernel_scopes
-  from k3jax import flops as flops_lib
+  from k3jax.model import flops as flops_lib
   if not ops:
     return {"note": "no GPU kernels in the trace"}
   info = hlo_memory.instruction_info(hlo_text)
@@ -240,12 +241,12 @@ def scope_kernel_times(ops: dict, hlo_text: str, steps: int, model_cfg, seq_len:
 
 
 def config_at_length(cfg, seq_len: int):
-  """`cfg` with the model config the training loop uses at rows of `seq_len` tokens: that of the
-  stage of this length (StagesConfig.remat per stage), stage 0's for a length no stage has."""
-  from k3jax import config as config_lib
+  """`cfg` with the implementation settings the training loop uses at rows of `seq_len` tokens:
+  those of the stage of this length (`Config.stage_impl`: ImplConfig.stage_remat per stage),
+  stage 0's for a length no stage has. The step's model is `K3Model(cfg.model, cfg.impl)`."""
   stage_lens = [length for length, _ in cfg.stages.stages]
   stage = stage_lens.index(seq_len) if seq_len in stage_lens else 0
-  return dataclasses.replace(cfg, model=config_lib.stage_model_config(cfg, stage))
+  return dataclasses.replace(cfg, impl=cfg.stage_impl(stage))
 
 
 def lower_and_compile(step_fn, state, batch) -> tuple:
@@ -261,31 +262,32 @@ def lower_and_compile(step_fn, state, batch) -> tuple:
 
 def run_case(case: dict, args, process_start: float) -> dict:
   """Runs one case in this process; returns its result row (progress lines are emitted)."""
-  from k3jax import compiler
+  from k3jax.runtime import compiler
   compiler.enable_compilation_cache(args.cache_dir)
   import jax
 
-  from k3jax import flops as flops_lib
-  from k3jax import precompile
-  from k3jax import train as train_lib
+  from k3jax import cli
+  from k3jax import training as train_lib
   from k3jax.model import K3Model
+  from k3jax.model import flops as flops_lib
+  from k3jax.runtime import Runtime
+  from k3jax.runtime import precompile
 
   name = case["name"]
   entries_before = _cache_entries(args.cache_dir)
   batch, seq_len = case["batch"], case["seq_len"]
-  cfg = config_at_length(train_lib.config_from_flags(case["gin_files"], args.gin_bindings),
-                         seq_len)
+  cfg = config_at_length(cli.config_from_flags(case["gin_files"], args.gin_bindings), seq_len)
   mcfg = cfg.model
   startup_trace = None
   # Traced and lowered programs kept beside the compiled ones, as `python -m k3jax.train` does.
-  lowered_dir = os.path.join(args.cache_dir, "lowered") if args.cache_dir else ""
+  runtime = Runtime(cfg.runtime,
+                    os.path.join(args.cache_dir, "lowered") if args.cache_dir else "")
   # The state's shapes, placed where the initialisation puts the state (the first device).
   t0 = time.perf_counter()
   shapes, optimizer, schedule = train_lib.placed_train_state_shapes(
-      cfg, cfg.stages.total_steps, lowered_cache_dir=lowered_dir)
+      cfg, cfg.stages.total_steps, runtime=runtime)
   shapes_s = time.perf_counter() - t0
-  step_fn = train_lib.make_train_step(cfg, K3Model(mcfg), optimizer, schedule,
-                                      lowered_cache_dir=lowered_dir,
+  step_fn = train_lib.make_train_step(cfg, K3Model(mcfg, cfg.impl), optimizer, schedule, runtime,
                                       total_steps=cfg.stages.total_steps)
   host = [random_rows(batch, seq_len, case["rows"], mcfg.vocab_size, mcfg.vocab_size - 1,
                       args.doc_len, seed=i) for i in range(2)]
@@ -298,7 +300,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
                  or not args.cache_dir)   # the compiled step is handed over through the cache
   init_s = 0.0
   if overlap:
-    # As `python -m k3jax.train` starts (StagesConfig.precompile): the step is traced in a
+    # As `python -m k3jax.train` starts (RuntimeConfig.precompile): the step is traced in a
     # background thread from the state's shapes, then compiled there while the state
     # initialises; the step is then read back from the caches (handoff_s).
     precompiler = precompile.Precompiler(1)
@@ -306,8 +308,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
         batch, seq_len, device0)))
     precompiler.wait_lowered("step")   # the tracing alone first, as the CLI does
     t0 = time.perf_counter()
-    state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps,
-                                             lowered_cache_dir=lowered_dir)
+    state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps, runtime=runtime)
     jax.block_until_ready(state)
     init_s = time.perf_counter() - t0
     report = precompiler.wait("step")
@@ -326,8 +327,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
       state = shapes
     else:
       t0 = time.perf_counter()
-      state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps,
-                                               lowered_cache_dir=lowered_dir)
+      state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps, runtime=runtime)
       jax.block_until_ready(state)
       init_s = time.perf_counter() - t0
     if args.profile_startup:
@@ -342,8 +342,8 @@ def run_case(case: dict, args, process_start: float) -> dict:
     jax.profiler.stop_trace()
     emit(event="startup_profile", case=name, logdir=startup_trace,
          **top_host_events(startup_trace))
-  # StagesConfig.microbatch_loop = 'host' compiles several programs (k3jax.microbatch) that run
-  # one after the other: the step's temporaries are the largest of theirs.
+  # RuntimeConfig.microbatch_loop = 'host' compiles several programs (k3jax.runtime.host_loop)
+  # that run one after the other: the step's temporaries are the largest of theirs.
   programs = getattr(compiled, "programs", {"train_step": compiled})
   memories = {k: c.memory_analysis() for k, c in programs.items()}
   temp_by_program = {k: round(m.temp_size_in_bytes / 2**30, 2) for k, m in memories.items()
@@ -508,7 +508,7 @@ def main(argv=None) -> int:
   p.add_argument("--smoke", action="store_true", help="tiny.gin, 2 x 128 tokens, 2 steps (CPU)")
   p.add_argument("--gin_file", action="append", default=None, help="--cases=one: the config")
   p.add_argument("--gin_bindings", action="append", default=[],
-                 help="applied to every case's config, e.g. \"ModelConfig.remat = 'full'\"")
+                 help="applied to every case's config, e.g. \"ImplConfig.remat = 'full'\"")
   p.add_argument("--seq_len", type=int, default=8192, help="--cases=one: tokens per row")
   p.add_argument("--seq_lens", type=lambda text: [int(x) for x in text.split(",")],
                  default=[8192, 65536, 262144, 1048576],
@@ -559,7 +559,7 @@ def main(argv=None) -> int:
     p.error("--gaps reads the profile: give --profile=FOLDER too")
   if args.smoke:
     args.doc_len = min(args.doc_len, 48)  # several documents in a 128-token row
-    # Two micro-batches of one row (StagesConfig.microbatch_loop has a loop to run); a later
+    # Two micro-batches of one row (RuntimeConfig.microbatch_loop has a loop to run); a later
     # --gin_bindings wins.
     args.gin_bindings = ["StagesConfig.microbatch_tokens = 128"] + args.gin_bindings
   if not args.child:

@@ -1,6 +1,6 @@
 """Block Attention Residuals (AttnRes): softmax attention over depth instead of a residual sum.
 
-The mixer (ARCHITECTURE.md §3), one per sublayer, each with its own pseudo-query w ∈ R^d:
+The mixer (docs/architecture.md §3), one per sublayer, each with its own pseudo-query w ∈ R^d:
 
     h = Σ_i α_i s_i,   α = softmax_i( w · RMSNorm(s_i) )
 
@@ -8,7 +8,7 @@ over the sources s_i ∈ {b_0, …, b_{n−1}, p}: keys are RMS-normalised witho
 are the raw sources, there is no 1/√d, and the mix runs in fp32. w starts at zero, so at step 0 the
 mix is the uniform mean of the sources.
 
-How the decoder wires it (k3jax/model.py). `block_size` counts layers; each layer has two sublayers
+How the decoder wires it (k3jax/model/decoder.py). `block_size` counts layers; each layer has two sublayers
 (attention, then FFN/MoE), each with its own DepthMix:
 
     blocks  = []                 # frozen block representations b_0, b_1, …
@@ -40,7 +40,7 @@ anyway, in their own dtype) plus the [S, B, T] fp32 weights α and RMS scales r.
 the stacked formulation would instead save fp32 [S, B, T, d] copies of the values and keys at every
 mix, which dominated the training step's memory peak.
 
-Kernels (ModelConfig.attnres_kernel, `depth_mix_kernel`): 'xla' runs that VJP as XLA's fusions,
+Kernels (ImplConfig.attnres_kernel): 'xla' runs that VJP as XLA's fusions,
 which read each source from HBM about twice per direction; 'pallas' runs the same math as one
 Pallas kernel forward and one backward (pallas_kernels/depth_mix) that read each source once.
 """
@@ -54,8 +54,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax import sharding
-from k3jax.config import ModelConfig
+from k3jax.parallel import sharding
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers import common
 from k3jax.ops.kernel_choice import pallas_or_xla
 from pallas_kernels.depth_mix import DepthMixConfig, depth_mix_fused
@@ -198,7 +198,7 @@ def depth_mix(sources: Sequence[jax.Array], query: jax.Array, valid: Optional[ja
   if query.shape != (sources[0].shape[-1],):
     raise ValueError(f"depth_mix: query must have shape [{sources[0].shape[-1]}] (the sources' "
                      f"width), got {query.shape}")
-  if pallas_or_xla(kernel, "ModelConfig.attnres_kernel") == "pallas":
+  if pallas_or_xla(kernel, "ImplConfig.attnres_kernel") == "pallas":
     return _pallas_depth_mix(tuple(sources), query, valid, float(eps))
   return _depth_mix(tuple(sources), query, valid, float(eps))
 
@@ -207,7 +207,8 @@ class DepthMix(nn.Module):
   """h = Σ_i softmax_i(w · RMSNorm(s_i)) s_i over a list of same-shaped sources.
 
   Attributes:
-    config: model config (d_model via the sources' width, norm_eps, param_dtype, attnres_kernel).
+    config: model config (d_model via the sources' width, norm_eps, param_dtype).
+    impl: ImplConfig (attnres_kernel).
   Parameter: 'query' [d] ('norm',), initialised to zero.
   Call: sources, a non-empty sequence of [B, T, d] arrays of one dtype → h [B, T, d] in that dtype;
   valid (optional), [len(sources)] bool: False leaves a source out of the softmax (the decoder's
@@ -215,6 +216,7 @@ class DepthMix(nn.Module):
   The scores and the weighted sum are computed in fp32 (by `depth_mix`).
   """
   config: ModelConfig
+  impl: ImplConfig = ImplConfig()
 
   @nn.compact
   def __call__(self, sources: Sequence[jax.Array], valid: Optional[jax.Array] = None
@@ -223,4 +225,4 @@ class DepthMix(nn.Module):
     query = common.logical_param(self, "query", (sources[0].shape[-1],), ("norm",),
                                  nn.initializers.zeros, common.to_dtype(self.config.param_dtype))
     return depth_mix(sources, query, valid, self.config.norm_eps,
-                     kernel=self.config.attnres_kernel)
+                     kernel=self.impl.attnres_kernel)

@@ -1,6 +1,6 @@
 """Small pieces every layer uses: dtypes, parameters with logical axis names, RMSNorm.
 
-Logical axis names (mapped to mesh axes by the one rule table in `k3jax/sharding.py`):
+Logical axis names (mapped to mesh axes by the one rule table in `k3jax/parallel/sharding.py`):
   parameters:  'vocab', 'embed', 'heads', 'head_dim', 'mlp', 'expert', 'latent', 'kv_lora',
                'q_lora', 'conv', 'norm'
   activations: 'activation_batch', 'activation_length', 'activation_embed', 'activation_heads',
@@ -16,7 +16,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax import sharding
+from k3jax.parallel import sharding
 from k3jax.ops.kernel_choice import pallas_or_xla
 from pallas_kernels.rms_norm import RmsNormConfig, rms_norm_bwd
 
@@ -91,7 +91,7 @@ def rms_norm(x: jax.Array, eps: float, weight: Optional[jax.Array] = None, *,
   """
   if weight is None:
     weight = jnp.ones((x.shape[-1],), jnp.float32)
-  kernel = pallas_or_xla(kernel, "ModelConfig.norm_kernel")
+  kernel = pallas_or_xla(kernel, "ImplConfig.norm_kernel")
   return _rms_norm(x, weight, float(eps), jnp.dtype(out_dtype), kernel)
 
 

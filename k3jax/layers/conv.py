@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax import sharding
+from k3jax.parallel import sharding
 from k3jax.layers.common import logical_param
 from k3jax.ops.kernel_choice import pallas_or_xla
 from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd, conv_silu_fwd
@@ -201,17 +201,16 @@ def _conv_silu_pallas(x, kernel, segment_ids, out_dtype):
 
 
 _conv_silu_pallas.defvjp(_conv_silu_pallas_fwd, _conv_silu_pallas_bwd)
-BACKWARDS = {"xla": _conv_silu, "pallas": _conv_silu_pallas}
+IMPLEMENTATIONS = {"xla": _conv_silu, "pallas": _conv_silu_pallas}
 
 
 def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
-              out_dtype, backward: str = "xla") -> jax.Array:
+              out_dtype, kernel_choice: str = "xla") -> jax.Array:
   """silu(causal_conv1d(x, kernel, segment_ids)) in `out_dtype`, for training (no state).
 
-  backward: 'xla' (XLA's forward and `_conv_silu_bwd`), 'pallas' (the same math as Pallas
+  kernel_choice: 'xla' (XLA's forward and `_conv_silu_bwd`), 'pallas' (the same math as Pallas
   kernels, forward and backward: `pallas_kernels.short_conv`) or 'auto'
-  (`k3jax.ops.kernel_choice.pallas_or_xla`: 'pallas' on a GPU). The setting's name is older than
-  the forward kernel: it picks both.
+  (`k3jax.ops.kernel_choice.pallas_or_xla`: 'pallas' on a GPU); ImplConfig.kda_conv_kernel.
 
   x [B, T, C]; kernel [W, C]; segment_ids [B, T] int or None. The same values as the two-step
   computation (fp32 math), with a hand-written VJP that keeps only x (in its dtype), the kernel
@@ -225,8 +224,8 @@ def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
   if segment_ids is not None and segment_ids.shape != x.shape[:2]:
     raise ValueError(f"conv_silu: segment_ids must be [B, T] = {x.shape[:2]}, got "
                      f"{segment_ids.shape}")
-  backward = pallas_or_xla(backward, "ModelConfig.kda_conv_backward")
-  return BACKWARDS[backward](x, kernel, segment_ids, jnp.dtype(out_dtype))
+  choice = pallas_or_xla(kernel_choice, "ImplConfig.kda_conv_kernel")
+  return IMPLEMENTATIONS[choice](x, kernel, segment_ids, jnp.dtype(out_dtype))
 
 
 class ShortConv(nn.Module):
@@ -236,14 +235,14 @@ class ShortConv(nn.Module):
     width: kernel size W (>= 1).
     channel_axis: logical axis name of the channel dim of the kernel (kernel axes ('conv', this)).
     dtype: output dtype. param_dtype: kernel dtype.
-    backward: `conv_silu`'s backward, 'xla', 'pallas' or 'auto'.
+    kernel_choice: `conv_silu`'s, 'xla', 'pallas' or 'auto'.
   Call: x [B, T, C], segment_ids [B, T] int or None, decode -> [B, T, C] in `dtype`.
   """
   width: int = 4
   channel_axis: str = "heads"
   dtype: jnp.dtype = jnp.float32
   param_dtype: jnp.dtype = jnp.float32
-  backward: str = "xla"
+  kernel_choice: str = "xla"
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
@@ -257,7 +256,7 @@ class ShortConv(nn.Module):
     if segment_ids is not None and segment_ids.shape != (b, t):
       raise ValueError(f"segment_ids must have shape {(b, t)}, got {segment_ids.shape}")
     if not decode:
-      return conv_silu(x, kernel, segment_ids, self.dtype, self.backward)
+      return conv_silu(x, kernel, segment_ids, self.dtype, self.kernel_choice)
 
     initializing = self.is_initializing()
     state = self.variable("cache", "conv_state", jnp.zeros, (b, self.width - 1, c), x.dtype)

@@ -7,15 +7,14 @@
 
 For |a| ≪ β1 and |b| ≪ β2 this is SwiGLU (silu(a)·b); everywhere it is smooth and bounded, which is
 what K3 uses instead of rotations to keep activation outliers in check for low-precision training.
-The activation math always runs in fp32 (ARCHITECTURE.md §4).
+The activation math always runs in fp32 (`k3jax.ops.situ_glu`; docs/architecture.md).
 
-With `ModelConfig.position_chunk_tokens` > 0 the layer runs over [B, T, d] inputs in rematerialised
-sequence chunks (`k3jax.ops.chunking`): its [B·T, m] hidden activations are never alive whole.
+With `chunk_tokens` > 0 (ImplConfig.position_chunk_tokens) the layer runs over [B, T, d] inputs in
+rematerialised sequence chunks (`k3jax.ops.chunking`): its [B·T, m] hidden activations are never
+alive whole.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -24,10 +23,9 @@ import jax.numpy as jnp
 from k3jax.config import ModelConfig
 from k3jax.layers import common
 from k3jax.ops.chunking import map_position_chunks
-# The activation math lives in ops (ops may not import layers); this module is its public home.
-from k3jax.ops.moe import situ, situ_glu, softcap  # noqa: F401
+from k3jax.ops.situ_glu import situ_glu
 
-__all__ = ["situ", "softcap", "situ_glu", "situ_glu_ffn", "SiTUGLU", "SiTUGLUWeights"]
+__all__ = ["situ_glu_ffn", "SiTUGLU", "SiTUGLUWeights"]
 
 
 class Kernel(nn.Module):
@@ -95,14 +93,13 @@ class SiTUGLU(nn.Module):
   """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)); the output width equals the input width.
 
   Attributes:
-    config: model config (dtype, param_dtype, init_std, situ_beta1, situ_beta2,
-      position_chunk_tokens).
+    config: model config (dtype, param_dtype, init_std, situ_beta1, situ_beta2).
     hidden_dim: the GLU's hidden width m.
     in_axis: logical axis name of the input/output width (params 'gate'/'up' are
       (in_axis, hidden_axis), 'out' is (hidden_axis, in_axis)).
     hidden_axis: logical axis name of the hidden width.
-    chunk_tokens: tokens per sequence chunk for [B, T, d] inputs; None:
-      config.position_chunk_tokens; 0: never chunked.
+    chunk_tokens: tokens per sequence chunk for [B, T, d] inputs (ImplConfig.
+      position_chunk_tokens); 0: never chunked.
   Input x [..., d] any float dtype; output [..., d] in config.dtype. Only 3-d inputs [B, T, d] are
   chunked.
   """
@@ -110,7 +107,7 @@ class SiTUGLU(nn.Module):
   hidden_dim: int
   in_axis: str = "embed"
   hidden_axis: str = "mlp"
-  chunk_tokens: Optional[int] = None
+  chunk_tokens: int = 0
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
@@ -123,8 +120,7 @@ class SiTUGLU(nn.Module):
       return situ_glu_ffn(v, w_gate, w_up, w_out, dtype=dtype, beta1=cfg.situ_beta1,
                           beta2=cfg.situ_beta2)
 
-    chunk = cfg.position_chunk_tokens if self.chunk_tokens is None else self.chunk_tokens
-    if x.ndim != 3 or chunk <= 0:
+    if x.ndim != 3 or self.chunk_tokens <= 0:
       return ffn(x)
-    y, _ = map_position_chunks(lambda v: (ffn(v), ()), [x], chunk)
+    y, _ = map_position_chunks(lambda v: (ffn(v), ()), [x], self.chunk_tokens)
     return y

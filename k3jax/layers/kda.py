@@ -1,6 +1,6 @@
 """The KDA layer: projections, short convs, gates, the KDA op, gated per-head RMSNorm, output.
 
-ARCHITECTURE.md §1 ("Around the kernel"), notes/kda.md §1.4. For the normed layer input x [B, T, d]:
+docs/architecture.md §1. For the normed layer input x [B, T, d]:
 
   q, k, v = silu(conv(x W_q)), silu(conv(x W_k)), silu(conv(x W_v))   per head [H, K] / [H, V]
   g       = kda_gate(x W_f, A_log, dt_bias, lower_bound)              log decay [B, T, H, K] fp32
@@ -29,7 +29,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import ModelConfig
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers.common import config_weight, gated_rms_norm, logical_param, to_dtype
 from k3jax.layers.conv import ShortConv
 from k3jax.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
@@ -61,11 +61,12 @@ class KDALayer(nn.Module):
   The decay gate g is sown into 'intermediates' as `gate` (fp32 [B, T, H, K]) for diagnostics.
   """
   config: ModelConfig
+  impl: ImplConfig = ImplConfig()   # kda_backend, kda_conv_kernel
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
                decode: bool = False) -> jax.Array:
-    cfg = self.config
+    cfg, impl = self.config, self.impl
     dtype, param_dtype = to_dtype(cfg.dtype), to_dtype(cfg.param_dtype)
     b, t, d = x.shape
     if d != cfg.d_model:
@@ -79,7 +80,7 @@ class KDALayer(nn.Module):
 
     def conv(name, y):
       return ShortConv(width=cfg.kda_conv_size, channel_axis="heads", dtype=dtype,
-                       param_dtype=param_dtype, backward=cfg.kda_conv_backward,
+                       param_dtype=param_dtype, kernel_choice=impl.kda_conv_kernel,
                        name=name)(y, segment_ids, decode=decode)
 
     q = jnp.einsum("btd,dhk->bthk", x,
@@ -119,14 +120,14 @@ class KDALayer(nn.Module):
       # ignores the gradients there: chunk_kda need not mask them again (0.8 % of medium.gin's
       # step on an H200, RESULTS.md run 30).
       o, _ = chunk_kda(q, k, v, gate_x, beta, use_qk_l2norm=True, segment_ids=segment_ids,
-                       chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend,
+                       chunk_size=cfg.kda_chunk_size, backend=impl.kda_backend,
                        qkv_zero_at_padding=True, **gate_params)
     else:
       g = kda_gate(gate_x, **gate_params)
       state = self.variable("cache", "kda_state", jnp.zeros, (b, h, dk, dv), jnp.float32)
       if not stepping:  # init: size the cache, leave it empty, run the plain forward.
         o, _ = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=segment_ids,
-                         chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend)
+                         chunk_size=cfg.kda_chunk_size, backend=impl.kda_backend)
       else:
         if state.value.shape[0] != b:
           raise ValueError(f"decode batch {b} differs from the cache batch {state.value.shape[0]}")
@@ -139,7 +140,7 @@ class KDALayer(nn.Module):
         else:
           o, new_state = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=doc,
                                    initial_state=state.value, output_final_state=True,
-                                   chunk_size=cfg.kda_chunk_size, backend=cfg.kda_backend)
+                                   chunk_size=cfg.kda_chunk_size, backend=impl.kda_backend)
         state.value = new_state.astype(jnp.float32)
 
     # Gated per-head RMSNorm (fla's FusedRMSNormGated with a sigmoid gate), fp32.

@@ -1,6 +1,6 @@
 """Gated Multi-head Latent Attention (DeepSeek MLA, NoPE, with K3's sigmoid output gate).
 
-ARCHITECTURE.md §2. Per head h, for the normed layer input x [B, T, d]:
+docs/architecture.md §2. Per head h, for the normed layer input x [B, T, d]:
 
   c_kv   = RMSNorm(x W_dkv)                       [B, T, kv_lora]      (eps 1e-6, like the LoRA norms)
   k_nope = c_kv W_uk[h],  v = c_kv W_uv[h]         [B, T, H, nope], [B, T, H, v_dim]
@@ -32,17 +32,18 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import ModelConfig
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers.common import RMSNorm, config_weight, sigmoid_gate, to_dtype
 from k3jax.ops.attention import attention, max_attention_logits
 
-# DeepSeek / Kimi use eps 1e-6 on the q_a / kv_a LoRA norms (notes/arch.md §2.1).
+# DeepSeek / Kimi use eps 1e-6 on the q_a / kv_a LoRA norms (docs/architecture.md §2).
 LORA_NORM_EPS = 1e-6
 
 
 class GatedMLA(nn.Module):
   """Gated MLA layer. Call: x [B, T, d] (already normed), segment_ids [B, T] or None -> [B, T, d]."""
   config: ModelConfig
+  impl: ImplConfig = ImplConfig()   # attention_impl
 
   @nn.compact
   def __call__(self, x: jax.Array, segment_ids: Optional[jax.Array] = None, *,
@@ -110,7 +111,7 @@ class GatedMLA(nn.Module):
       self.sow("attn_stats", "max_logits",
                max_attention_logits(q, k, segment_ids=segment_ids, scale=scale))
     return attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
-                     scale=scale, implementation=self.config.attention_impl)
+                     scale=scale, implementation=self.impl.attention_impl)
 
   def _cache_vars(self, b, max_len, dtype):
     cfg = self.config

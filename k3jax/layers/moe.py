@@ -6,7 +6,7 @@
     z        = x W_down                                   d → ℓ (skipped when moe_latent_dim == 0)
     y        = W_up · RMSNorm(Σ_k p_k E_k(z)) + Shared(x)
 
-(ARCHITECTURE.md §4.) The bias b lives in the 'moe_state' collection and is only changed by the
+(docs/architecture.md §4.) The bias b lives in the 'moe_state' collection and is only changed by the
 balancing update; it never receives a gradient.
 
 Balancing methods (`ModelConfig.moe_balance`):
@@ -25,12 +25,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax.config import ModelConfig
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers import common
 from k3jax.layers.ffn import Kernel, SiTUGLUWeights, situ_glu_ffn
 from k3jax.ops.chunking import map_position_chunks
 from k3jax.ops.kernel_choice import pallas_or_xla
-from k3jax.ops.moe import default_ragged_dot, qb_margins
+from k3jax.ops.grouped_matmul import default_ragged_dot
+from k3jax.ops.moe import qb_margins
 from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
 
 
@@ -66,13 +67,13 @@ def quantile_balance_update(scores: jax.Array, bias: jax.Array, top_k: int,
     3. t_j = the (q+1)-th largest margin of column j (valid tokens only), q = m·k/n;
     4. b ← b − rate·t_j, then b ← b − mean(b) (a common shift changes no top-k).
 
-  Margins here include the bias. The spec writes M = s − c with the one-shot update b ← −t(s − c);
+  Margins here include the bias. K3 writes M = s − c with the one-shot update b ← −t(s − c);
   both give the same new bias at rate 1 (t(s + b − c) = t(s − c) + b), and this form makes rate < 1
   a plain damping b ← (1 − rate)·b + rate·b_one_shot. With the cutoffs held fixed the new bias lets
   exactly q tokens clear the bar for each expert (ties aside).
 
-  cutoff='per_expert' (an option, not the spec): for the experts token i does NOT choose, the bar is
-  its k-th largest biased score instead of the (k+1)-th, because an outsider must beat the weakest
+  cutoff='per_expert' (k3jax's default, not K3's): for the experts token i does NOT choose, the bar
+  is its k-th largest biased score instead of the (k+1)-th, because an outsider must beat the weakest
   chosen expert to get in (beating only the first outsider leaves it outside). The margins then say
   exactly which tokens expert j would win at bias b_j − t with the other biases fixed, and the
   iteration converges much faster (measured: 896 experts, top-16, skewed scores, repeated updates on
@@ -81,7 +82,7 @@ def quantile_balance_update(scores: jax.Array, bias: jax.Array, top_k: int,
   same fixed point (balanced loads) and agree on the margins of chosen experts.
 
   Non-integer q: t_j is read at the fractional (q+1)-th rank by linear interpolation between the
-  (⌊q⌋+1)-th and (⌊q⌋+2)-th largest margins. It equals the spec's order statistic whenever q is an
+  (⌊q⌋+1)-th and (⌊q⌋+2)-th largest margins. It equals the exact order statistic whenever q is an
   integer and moves continuously with m in between (no jump as padding changes m by one).
 
   Masked tokens are set to −inf before the per-column selection, so every shape stays static and the
@@ -93,7 +94,7 @@ def quantile_balance_update(scores: jax.Array, bias: jax.Array, top_k: int,
     top_k: experts per token k (static int, 1 <= k < experts).
     mask: optional [tokens] bool, False for padding.
     rate: ρ in (0, 1]; 1 is the one-shot LP-dual update.
-    cutoff: 'token' (the spec: one cutoff per token, its (k+1)-th largest biased score) or
+    cutoff: 'token' (K3's: one cutoff per token, its (k+1)-th largest biased score) or
       'per_expert' (see above).
   Returns:
     the new bias [experts] fp32, centred (mean zero).
@@ -272,13 +273,14 @@ class LatentMoE(nn.Module):
   Balancing options: moe_balance, moe_qb_cutoff, moe_qb_rate, moe_qb_histogram_bins (0: exact
   sort-based quantile; > 0: quantile from per-expert histograms, as across hosts).
 
-  Sequence chunks (position_chunk_tokens > 0): the router, the load statistics and the balancing
+  Sequence chunks (ImplConfig.position_chunk_tokens > 0): the router, the load statistics and the balancing
   update run over the whole batch (they need every token; the [B·T, E] scores are small), while
   the down projection, dispatch, grouped expert matmuls, combine, latent norm, up projection and
   shared experts run per chunk of positions (`k3jax.ops.chunking.map_position_chunks`), each
   rematerialised in the backward pass. Same values as unchunked.
   """
   config: ModelConfig
+  impl: ImplConfig = ImplConfig()   # moe_grouped_matmul, moe_situ_glu, position_chunk_tokens
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None, *,
@@ -337,8 +339,8 @@ class LatentMoE(nn.Module):
       w_lift = Kernel((latent, width), ("latent", "embed"), **kernel_kw, name="up")()
     if cfg.moe_num_shared > 0:
       shared = SiTUGLUWeights(cfg, cfg.moe_num_shared * cfg.moe_shared_dim, name="shared")(width)
-    ragged_dot_fn = default_ragged_dot(cfg.moe_grouped_matmul)
-    activation = pallas_or_xla(cfg.moe_situ_glu, "ModelConfig.moe_situ_glu")
+    ragged_dot_fn = default_ragged_dot(self.impl.moe_grouped_matmul)
+    activation = pallas_or_xla(self.impl.moe_situ_glu, "ImplConfig.moe_situ_glu")
 
     def routed_and_shared(x_c, valid_c, idx_c, weight_c):
       """[b, c, d] positions with their [b, c] validity and [b, c, k] routing -> ([b, c, d] in
@@ -367,7 +369,7 @@ class LatentMoE(nn.Module):
                 else valid.reshape(batch, length))
     y, stats = map_position_chunks(
         routed_and_shared, [x, valid_bt, expert_idx.reshape(batch, length, k),
-                            weights.reshape(batch, length, k)], cfg.position_chunk_tokens)
+                            weights.reshape(batch, length, k)], self.impl.position_chunk_tokens)
 
     if not self.is_initializing():
       load = stats["load"]

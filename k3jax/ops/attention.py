@@ -10,61 +10,47 @@ Masking rules (query t, key s of the same batch row):
     (0 is padding). Queries that see no key at all (padding) return zeros.
   * causal: t sees s only when `kv_positions[s] <= q_positions[t]`. Without positions, queries and keys
     are the same tokens (T == S) and position = index.
-The GPU document kernels ('tokamax', 'tokamax_pallas_bwd', 'pallas') take
-each run of equal segment ids as one document (`attention_gpu.document_bounds`); that is the same
-mask when every document of a row is one contiguous run, as in packed rows.
+The GPU document kernels ('tokamax', 'tokamax_mosaic_bwd') take each run of equal segment ids as
+one document (`attention_gpu.document_bounds`); that is the same mask when every document of a row
+is one contiguous run, as in packed rows.
 
-Implementations:
+Implementations (ImplConfig.attention_impl):
   'xla'                 blockwise flash attention in XLA (`attention_blockwise`), any inputs.
   'cudnn'               cuDNN, rows without segment ids only (plain causal or no mask).
   'tokamax'             tokamax Mosaic GPU (sm90+) forward, its stock backward.
-  'tokamax_pallas_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention` backward.
-  'pallas'              `pallas_kernels.flash_attention` forward and backward (Triton).
   'tokamax_mosaic_bwd'  tokamax Mosaic GPU forward, `pallas_kernels.flash_attention`'s Mosaic GPU
-                        (wgmma) backward, sm90+: the fastest step (below).
+                        (wgmma) backward, which skips the blocks outside the documents (sm90+).
   'auto'                on an NVIDIA GPU with bf16/fp16 self-attention: 'cudnn' without segment
                         ids; with them on sm90+, 'tokamax' up to AUTO_TOKAMAX_MAX_T tokens per row
                         and 'tokamax_mosaic_bwd' above; 'xla' otherwise (CPU, positions, fp32).
-                        (Until run 32 'auto' took 'tokamax_pallas_bwd' above AUTO_TOKAMAX_MAX_T:
-                        the Mosaic kernels' compile, one after the other at the end of XLA's, added
-                        13.5 s to small.gin's cold start-up. `k3jax.kernel_prewarm` now compiles
-                        them beside XLA's HLO passes: +1.2 s, for a 1.5 % faster small.gin step.)
-  'auto_mosaic_bwd'     the same as 'auto' (run 31's name for it, when 'auto' kept the Triton
-                        backward; configs that name it keep working).
-Measured on an H200 at MLA's head dims (RESULTS.md, runs 9 and 16), forward+backward ms: T = 8192
-with one document, tokamax 1.52, tokamax + Pallas backward 2.09; 4 rows of 8192 with three
-documents each, tokamax 4.61, tokamax + Pallas backward 3.73; T = 65536 with 8 documents, tokamax 62.7
-(its backward pays a whole causal pass), tokamax + Pallas backward 18.6 (the previous dense-mask
-cuDNN path: 438). With the Mosaic GPU backward (run 31, 12 heads, 4 rows of 8192 with three
-documents each): 4.97 ms against the Triton backward's 6.27; T = 65536 with 8 documents, 23.8
-against 31.0; medium.gin's 1M-token step −2.7 %.
+Measured on an H200 at MLA's head dims, forward+backward (RESULTS.md, runs 9, 16, 31): T = 8192
+with one document, tokamax 5.06 ms against 7.06 with a block-skipping backward (tokamax's causal
+pass wastes little on one document); 4 rows of 8192 with three documents each and 12 heads,
+tokamax + the Mosaic backward 4.97 ms against tokamax's own backward's 9.00 (run 19); at T = 65536
+with 8 documents and 6 heads, a block-skipping backward 18.6 ms against tokamax's 62.7, whose
+backward pays a whole causal pass (run 9).
+docs/performance.md has the alternatives that were measured and not kept.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from k3jax import sharding
+from k3jax.parallel import sharding
 from k3jax.config import ATTENTION_IMPLS
 from k3jax.ops import attention_gpu
 from k3jax.ops.attention_blockwise import blockwise_attention, blockwise_max_logits
-from pallas_kernels.flash_attention import MosaicBwdConfig
-
-# The names ModelConfig.attention_impl accepts (one list, k3jax.config's).
-IMPLEMENTATIONS = ATTENTION_IMPLS
 
 # XLA path: tokens per query / key block. A block step holds B·H·Q_BLOCK·KV_BLOCK fp32 logits.
 DEFAULT_Q_BLOCK = 512
 DEFAULT_KV_BLOCK = 512
 # 'auto' on packed rows: tokamax's stock backward up to this row length (rows of about one document,
-# where its causal pass wastes little and runs faster), the block-skipping Pallas backward above.
-# At 8192-token rows of several documents the Pallas backward already wins (H200, B 4, H 6,
-# documents of 5218/1749/1225 tokens: 3.73 ms forward+backward against 4.61; a training step of
-# rows with 2.25 documents on average: small.gin −1.1 ms, medium.gin −6.4 ms), and loses only on
+# where its causal pass wastes little and runs faster), the block-skipping backward above. At
+# 8192-token rows of several documents the block-skipping backward already wins (H200, B 4, H 6,
+# documents of 5218/1749/1225 tokens: 3.73 ms forward+backward against 4.61), and loses only on
 # rows of a single document (7.06 against 5.06 ms); RESULTS.md, run 16.
 AUTO_TOKAMAX_MAX_T = 4096
 
@@ -121,7 +107,7 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
   """The concrete implementation for 'auto', after checking that a named one can run."""
   if implementation == "xla":
     return "xla"
-  if implementation in ("auto", "auto_mosaic_bwd"):
+  if implementation == "auto":
     if has_positions:
       return "xla"
     if has_segments:
@@ -135,8 +121,8 @@ def _resolve(implementation: str, q, v, *, has_segments: bool, has_positions: bo
   if implementation == "cudnn" and has_segments:
     raise ValueError("implementation='cudnn' runs rows without segment ids only: cuDNN's packed "
                      "layout gave wrong outputs on an H200 (RESULTS.md, run 9); use "
-                     "'tokamax_pallas_bwd', 'tokamax' or 'auto' for packed rows")
-  if implementation in ("tokamax_pallas_bwd", "pallas", "tokamax_mosaic_bwd") and not has_segments:
+                     "'tokamax_mosaic_bwd', 'tokamax' or 'auto' for packed rows")
+  if implementation == "tokamax_mosaic_bwd" and not has_segments:
     raise ValueError(f"implementation={implementation!r} needs segment ids; rows without them "
                      "run on 'cudnn', 'tokamax' or 'xla'")
   min_cc = (8, 0) if implementation == "cudnn" else (9, 0)
@@ -169,14 +155,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
       both or neither. Needed for causal attention when T != S (e.g. decode against a cache).
     causal: apply the causal mask.
     scale: logit scale; default D**-0.5.
-    implementation: one of IMPLEMENTATIONS (module docstring).
+    implementation: one of ATTENTION_IMPLS (module docstring).
     q_block / kv_block: XLA path only: tokens per query / key block (default 512 each).
 
   Returns:
     [B, T, H, Dv] in q.dtype. Queries that see no key (padding) give zeros.
   """
-  if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, got {implementation!r}")
+  if implementation not in ATTENTION_IMPLS:
+    raise ValueError(f"implementation must be one of {ATTENTION_IMPLS}, got {implementation!r}")
   if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
     raise ValueError(f"q, k, v must be 4-D [B, T, H, D]; got shapes {q.shape}, {k.shape}, {v.shape}")
   b, t, h, d = q.shape
@@ -225,13 +211,8 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
   elif impl == "cudnn" and q_seg is None:
     out = attention_gpu.cudnn_causal_attention(q, k, v, scale=scale, causal=causal)
   else:
-    if impl == "tokamax":
-      kernel = attention_gpu.tokamax_attention
-    else:
-      kernel = functools.partial(attention_gpu.pallas_attention,
-                                 forward="pallas" if impl == "pallas" else "tokamax")
-      if impl == "tokamax_mosaic_bwd":
-        kernel = functools.partial(kernel, mosaic_backward=MosaicBwdConfig())
+    kernel = (attention_gpu.tokamax_attention if impl == "tokamax"
+              else attention_gpu.mosaic_backward_attention)
     # The kernels are opaque custom calls that XLA cannot split along a sharded batch (it would
     # gather every row onto every device): each device runs them on its own rows.
     out = sharding.map_over_batch_shards(

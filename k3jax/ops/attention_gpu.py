@@ -12,13 +12,12 @@ would join them): packed rows (`k3jax.data.packing`) number their documents in o
     sm90 backward (`tokamax/_src/ops/attention/pallas_mosaic_gpu_vjp_kernel_sm90.py`). The forward
     skips key blocks outside each query tile's documents; that backward skips only the causally
     masked blocks (a whole causal pass per row).
-  * `pallas_attention`: the same ranges through `pallas_kernels.flash_attention`, whose dq and dk/dv
-    kernels skip every block outside the documents; forward either tokamax's (its log-sum-exp
-    residuals feed our backward) or our own Triton kernel.
+  * `mosaic_backward_attention`: tokamax's forward (its log-sum-exp residuals) with
+    `pallas_kernels.flash_attention`'s Mosaic GPU backward, whose dq, dV and dK kernels skip every
+    block outside the documents.
   (cuDNN's packed THD layout, one sequence per document, was tried: 10.9 ms forward+backward at
   T = 65536 with 8 documents on an H200, but outputs off by an error ratio of ~1 and NaN gradients
-  against the dense reference, so it is not a k3jax path; experiments/benchmarks/attention_bench.py
-  keeps it as a variant. RESULTS.md, run 9.)
+  against the dense reference, so it is not a k3jax path. RESULTS.md, run 9.)
   * `cudnn_causal_attention`: rows without segment ids (plain causal or no mask).
 """
 
@@ -32,7 +31,7 @@ from jax import lax
 import jax.numpy as jnp
 
 from pallas_kernels.common import kernel_entry_point
-from pallas_kernels.flash_attention import FlashConfig, MosaicBwdConfig, flash_attention
+from pallas_kernels.flash_attention import MosaicBwdConfig, flash_attention
 
 
 def document_bounds(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -75,24 +74,15 @@ def compute_capability() -> Optional[tuple[int, int]]:
 
 
 @functools.cache
-def _tokamax_mosaic(vjp_config: Optional[tuple[int, ...]] = None):
+def _tokamax_mosaic():
   """(op, Mask): tokamax 0.0.17's Mosaic GPU flash attention op and its mask class.
 
-  vjp_config: None for tokamax's heuristic sm90 backward tiles, or (block_q_dkv, block_kv_dkv,
-  block_q_dq, block_kv_dq, num_stages, compute_wgs) for its backward kernels.
   The only place that reaches into tokamax's private `_src`: the public
   `tokamax.dot_product_attention` takes arbitrary masks only as dense [T, S] booleans.
   """
   from tokamax._src.ops.attention import base as tk_base  # pylint: disable=import-outside-toplevel
   from tokamax._src.ops.attention import pallas_mosaic_gpu as tk_mgpu  # pylint: disable=import-outside-toplevel
-  if vjp_config is None:
-    return tk_mgpu.PallasMosaicGpuFlashAttention(), tk_base.Mask
-  from tokamax._src.ops.attention import pallas_mosaic_gpu_vjp as tk_vjp  # pylint: disable=import-outside-toplevel
-  names = ("block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq", "num_stages", "compute_wgs")
-  if len(vjp_config) != len(names):
-    raise ValueError(f"vjp_config must be {names}, got {vjp_config!r}")
-  vjp = tk_vjp.PallasMosaicGpuFlashAttentionVjp(config=tk_vjp.Config(**dict(zip(names, vjp_config))))
-  return tk_mgpu.PallasMosaicGpuFlashAttention(vjp=vjp), tk_base.Mask
+  return tk_mgpu.PallasMosaicGpuFlashAttention(), tk_base.Mask
 
 
 def _tokamax_mask(segment_ids: Optional[jax.Array], t: int, causal: bool):
@@ -107,20 +97,21 @@ def _tokamax_mask(segment_ids: Optional[jax.Array], t: int, causal: bool):
 
 
 # Jitted (as the other kernels' entry points are): the MLA layers of a step call it with equal
-# shapes, and JAX then traces it, lowers its Mosaic GPU and Triton kernels and differentiates it
-# once for all of them, not once per layer (RESULTS.md, run 32).
-@kernel_entry_point("scale", "causal", "vjp_config")
+# shapes, and JAX then traces it, lowers its Mosaic GPU kernels and differentiates it once for all
+# of them, not once per layer (RESULTS.md, run 32).
+@kernel_entry_point("scale", "causal")
 def tokamax_attention(q, k, v, segment_ids: Optional[jax.Array], *, scale: float,
-                      causal: bool, vjp_config: Optional[tuple[int, ...]] = None) -> jax.Array:
+                      causal: bool) -> jax.Array:
   """tokamax Mosaic GPU forward and its stock backward. q [B,T,H,D], k/v [B,T,Hk,D|Dv],
-  segment_ids [B, T] int32 or None -> [B, T, H, Dv] in q.dtype. vjp_config: `_tokamax_mosaic`."""
-  op, _ = _tokamax_mosaic(vjp_config)
+  segment_ids [B, T] int32 or None -> [B, T, H, Dv] in q.dtype."""
+  op, _ = _tokamax_mosaic()
   out = op(q, k, v, mask=_tokamax_mask(segment_ids, q.shape[1], causal), logits_scale=scale)
   return out if segment_ids is None else _zero_padding(out, segment_ids)
 
 
-def _tokamax_forward_lse(q, k, v, segment_ids, *, scale: float, causal: bool):
-  """tokamax's forward with its residuals as a log-sum-exp: (out, lse [B, H, T] fp32)."""
+def tokamax_forward_lse(q, k, v, segment_ids, *, scale: float, causal: bool):
+  """tokamax's forward with its residuals as a log-sum-exp: (out, lse [B, H, T] fp32, +inf where
+  a query sees nothing): `flash_attention`'s forward contract."""
   op, _ = _tokamax_mosaic()
   out, (m, l) = op(q, k, v, mask=_tokamax_mask(segment_ids, q.shape[1], causal),
                    logits_scale=scale, return_residuals=True)
@@ -129,38 +120,19 @@ def _tokamax_forward_lse(q, k, v, segment_ids, *, scale: float, causal: bool):
   return out, lse
 
 
-def default_flash_config(interpret: bool = False) -> FlashConfig:
-  """Block sizes for `pallas_attention`'s backward at MLA's head dims (q/k 192 read as 128 + 64,
-  v 128): dq over 128-query x 32-key tiles, dk/dv over 128-key x 32-query tiles, 8 warps, 3
-  stages. Chosen on an H200 at 4 rows of 8192 tokens with three documents each (RESULTS.md,
-  run 19): tokamax's forward + this backward 6.39 ms with 12 heads, 3.20 ms with 6, against 7.71
-  and 3.70 with 2 stages (run 9's choice, made at T = 65536). Of 14 other tiles and launches three
-  came within 1 % (4 or 5 stages; 64 x 32 tiles with 4 warps, 3 stages), the rest took 6.76-18.1
-  ms, and 128 x 128 tiles do not fit in shared memory. The forward keeps run 9's launch."""
-  return FlashConfig(block_q=128, block_k=32, block_q_dkv=32, block_k_dkv=128, fwd_launch=(8, 2),
-                     dq_launch=(8, 3), dkv_launch=(8, 3), interpret=interpret)
-
-
-@kernel_entry_point("scale", "causal", "forward", "config", "mosaic_backward")
-def pallas_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
-                     forward: str, config: Optional[FlashConfig] = None,
-                     mosaic_backward: Optional[MosaicBwdConfig] = None) -> jax.Array:
-  """Document attention with `pallas_kernels.flash_attention`'s block-skipping backward.
-
-  forward: 'tokamax' (Mosaic GPU forward, its residuals) or 'pallas' (our Triton forward).
-  mosaic_backward: None for the Triton backward (`config`'s tiles), or the Mosaic GPU backward's
-  tiles (sm90). Shapes as `tokamax_attention`; segment_ids required.
-  """
-  if forward not in ("tokamax", "pallas"):
-    raise ValueError(f"forward must be 'tokamax' or 'pallas', got {forward!r}")
-  config = default_flash_config() if config is None else config
+@kernel_entry_point("scale", "causal", "backward", "forward")
+def mosaic_backward_attention(q, k, v, segment_ids: jax.Array, *, scale: float, causal: bool,
+                              backward: MosaicBwdConfig = MosaicBwdConfig(),
+                              forward=tokamax_forward_lse) -> jax.Array:
+  """Document attention: tokamax's forward, `pallas_kernels.flash_attention`'s block-skipping
+  Mosaic GPU backward (sm90), padding outputs zeroed. Shapes as `tokamax_attention`; segment_ids
+  required. backward: its tiles and launch. forward: a function with `tokamax_forward_lse`'s
+  signature (the tests give a dense one, for the interpreter)."""
   k_lo, k_hi, q_lo, q_hi = key_ranges(segment_ids, causal)
-  fwd = None
-  if forward == "tokamax":
-    # Segment ids reach the forward as its aux array: a partial over them would leak a tracer.
-    fwd = functools.partial(_tokamax_forward_lse, scale=scale, causal=causal)
-  out = flash_attention(q, k, v, k_lo, k_hi, q_lo, q_hi, scale=scale, config=config,
-                        forward=fwd, forward_aux=segment_ids, mosaic_backward=mosaic_backward)
+  # Segment ids reach the forward as its aux array: a partial over them would leak a tracer.
+  fwd = functools.partial(forward, scale=scale, causal=causal)
+  out = flash_attention(q, k, v, k_lo, k_hi, q_lo, q_hi, scale=scale, forward=fwd,
+                        forward_aux=segment_ids, backward=backward)
   return _zero_padding(out, segment_ids)
 
 

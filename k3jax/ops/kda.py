@@ -1,6 +1,6 @@
 """Kimi Delta Attention (KDA): gate, step-by-step reference and chunked (WY) algorithm in plain JAX.
 
-Per head, for each token t (ARCHITECTURE.md §1), with state S [K, V] in fp32:
+Per head, for each token t (docs/architecture.md §1), with state S [K, V] in fp32:
 
   1. S ← diag(exp(g_t)) · S
   2. S ← S + β_t · k_t (v_t − Sᵀ k_t)ᵀ
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax import compiler, sharding
+from k3jax.parallel import sharding
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _BACKENDS = ("auto", "xla", "pallas")
@@ -296,7 +296,7 @@ def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_sta
   return o, (finals if packed else state)
 
 
-_recurrent_kda_impl = compiler.lazy_jit(_recurrent_kda_impl, static_argnums=(5, 7))
+_recurrent_kda_impl = jax.jit(_recurrent_kda_impl, static_argnums=(5, 7))
 
 # --------------------------------------------------------------------------------------------------
 # Chunked (WY) algorithm.
@@ -540,7 +540,7 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
                                  v_new, states_in)
 
 
-_chunk_kda_xla = compiler.lazy_jit(_chunk_kda_xla, static_argnums=(5, 7, 8, 11, 12))
+_chunk_kda_xla = jax.jit(_chunk_kda_xla, static_argnums=(5, 7, 8, 11, 12))
 
 
 def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gc, gs, lab, lab_in, v_new,

@@ -1,4 +1,4 @@
-"""The kernel settings' one rule (ModelConfig.moe_situ_glu, attnres_kernel, kda_conv_backward,
+"""The kernel settings' one rule (ImplConfig.moe_situ_glu, attnres_kernel, kda_conv_kernel,
 norm_kernel): 'xla' runs XLA's fusions, 'pallas' the Pallas kernels (interpreted on CPU), and
 'auto' picks 'pallas' on a GPU and 'xla' elsewhere (where the interpreter would only be slower)."""
 

@@ -18,7 +18,7 @@ an independent EP group. Inside one `jax.shard_map`, each device:
 Every row movement (packing, the sort by local expert and its undoing) is a
 `k3jax.ops.moe.gather_rows`, and the return to the tokens a `weighted_combine`: their backwards are
 gathers with the inverse maps, neither pass has a scatter(-add). The grouped matmul is the one of
-ModelConfig.moe_grouped_matmul (tokamax's Mosaic GPU kernels by default on the GPU), as on one
+ImplConfig.moe_grouped_matmul (tokamax's Mosaic GPU kernels by default on the GPU), as on one
 device.
 
 Buffer capacity C (rows per (source, destination) pair), all shapes static:
@@ -40,7 +40,8 @@ A `ragged_all_to_all` variant (MaxText) would send only the occupied rows; the p
 used here because it runs on every backend, including the 8 fake CPU devices of the tests.
 
 `routed_experts_auto` is the entry point for layers: the EP path when the current mesh (set by
-`k3jax.sharding.with_mesh`) has an 'expert' axis > 1, the single-device `routed_experts` otherwise.
+`k3jax.parallel.sharding.with_mesh`) has an 'expert' axis > 1, the single-device
+`routed_experts` otherwise.
 
 `quantile_balance_update_histogram` is the communication-light QB update for sharded tokens: each
 device bins its margins per expert, the [E, bins] histograms are all-reduced, and the per-expert
@@ -57,10 +58,11 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
-from k3jax.ops.moe import (RaggedDotFn, _check_shapes, gather_rows, grouped_situ_glu,
-                           permute_rows, qb_margins, routed_experts, sort_with_inverse,
-                           sorted_group_sizes, weighted_combine)
-from k3jax.sharding import BATCH_AXES
+from k3jax.ops.grouped_matmul import RaggedDotFn
+from k3jax.ops.moe import _check_shapes, grouped_situ_glu, qb_margins, routed_experts
+from k3jax.ops.moe_rows import (gather_rows, permute_rows, sort_with_inverse, sorted_group_sizes,
+                                weighted_combine)
+from k3jax.parallel.sharding import BATCH_AXES
 
 EXPERT_AXIS = "expert"
 
@@ -209,7 +211,7 @@ def routed_experts_ep(
   mesh = _current_mesh(mesh)
   if mesh is None:
     raise ValueError("routed_experts_ep: no mesh; pass mesh= or call inside "
-                     "k3jax.sharding.with_mesh(mesh)")
+                     "k3jax.parallel.sharding.with_mesh(mesh)")
   sizes = _axis_sizes(mesh)
   if any(a not in sizes for a in BATCH_AXES):
     raise ValueError(f"routed_experts_ep: mesh axes {tuple(sizes)} must include {BATCH_AXES}")

@@ -2,7 +2,7 @@
 combine of each token's expert outputs, row zeroing, and the sort that builds the maps.
 
 Autodiff's transpose of a gather `x[src]` is a scatter-add, slow on the GPU: the MoE's backward spent
-~150 ms of a 402 ms small.gin step in two of them (spec/PERFORMANCE.md). Every function here that
+~150 ms of a 402 ms small.gin step on one H200 in two of them. Every function here that
 moves rows takes the inverse map as well and gathers in both passes. The maps come from two stable
 sorts (`sort_with_inverse`) and comparisons (`sorted_group_sizes`), never from a scatter.
 """
@@ -63,7 +63,7 @@ def gather_rows(x: jax.Array, src: jax.Array, src_ok: jax.Array, back: jax.Array
   in back[src[r]] exactly when src_ok[r]. Then dx[i] = Σ_f dout[back[i, f]] over back_ok, summed
   in fp32 (f = k for the dispatch of a token to its k experts, 1 for a permutation). Returns
   [m, ...] in x.dtype. What autodiff would make of `x[src]`, a scatter-add, costs the MoE's
-  backward ~150 ms of a 402 ms small.gin step on one H200 (spec/PERFORMANCE.md).
+  backward ~150 ms of a 402 ms small.gin step on one H200.
   """
   # (Inside shard_map, x and the maps made varying over the same mesh axes: `_common_varying`.)
   return _gather_rows(*_common_varying(x, src, src_ok, back, back_ok))

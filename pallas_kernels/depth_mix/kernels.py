@@ -20,7 +20,8 @@ Measured on one H200 (experiments/benchmarks/RESULTS.md, run 22): alone, 0.82 ag
 0.94 ms forward + backward for five bf16 [32768, 1536] sources, but 0.40 against 0.36 ms for two
 (about twice the bandwidth floor: the second read of a tile does not always hit L2); in
 medium.gin's training step (33 mixes of 2-5 sources), 381.3 against 395.9 ms. 128-column chunks
-and 16 rows a program were among the fastest tiles; keeping the tiles resident was slower.
+and 16 rows a program were among the fastest tiles; keeping the tiles live in registers for the
+second pass instead of reading them again took 1.05-6.58 ms (RESULTS.md, run 22).
 
 Triton wants power-of-two arrays inside a kernel, and d (768, 1536) is not one. Each [N, d] array
 is one (block_rows, d) block; the kernel loops over its width in chunks of Dc columns (the largest
@@ -59,16 +60,12 @@ class DepthMixConfig:
     block_rows: rows per program (power of two; capped at N rounded up to a power of two).
     block_d: cap on the channel chunk Dc (power of two; Dc also divides d).
     num_warps, num_stages: the Triton launch. interpret: run in the Pallas interpreter.
-    resident: load each tile once and keep it live (registers) for the second pass, over a
-      static loop of chunks, instead of reading it again (an L2 hit only while the tiles of the
-      programs in flight fit in L2). For small block_rows.
   """
   block_rows: int = 16
   block_d: int = 128
   num_warps: int = 4
   num_stages: int = 1
   interpret: bool = False
-  resident: bool = False
 
   def __post_init__(self):
     check_powers_of_two(self, "block_rows", "block_d", "num_warps")
@@ -78,40 +75,27 @@ def _columns(c, chunk: int):
   return pl.ds(c * chunk if isinstance(c, int) else pl.multiple_of(c * chunk, chunk), chunk)
 
 
-def _chunk_loop(num_chunks: int, body, carry, resident: bool):
-  """body(c, carry) over the chunks: a Python loop when resident (static slices, so that the
-  cached tiles are reused), else a fori_loop (a loop in Triton: the second pass reads again and
-  the loads can be pipelined)."""
-  if not resident:
-    return jax.lax.fori_loop(0, num_chunks, body, carry)
-  for c in range(num_chunks):
-    carry = body(c, carry)
-  return carry
+def _chunk_loop(num_chunks: int, body, carry):
+  """body(c, carry) over the chunks: a fori_loop (a loop in Triton: the second pass reads each
+  tile again, an L2 hit, and the loads can be pipelined)."""
+  return jax.lax.fori_loop(0, num_chunks, body, carry)
 
 
-def _loader(chunk: int, resident: bool):
-  """load(ref, c) -> ref's chunk c as fp32 [bn, Dc]; when resident, each ref's chunk is read
-  once and the value reused."""
-  cache = {}
-
+def _loader(chunk: int):
+  """load(ref, c) -> ref's chunk c as fp32 [bn, Dc]."""
   def load(ref, c):
-    if not resident:
-      return ref[:, _columns(c, chunk)].astype(jnp.float32)
-    if (id(ref), c) not in cache:
-      cache[id(ref), c] = ref[:, _columns(c, chunk)]
-    return cache[id(ref), c].astype(jnp.float32)
+    return ref[:, _columns(c, chunk)].astype(jnp.float32)
   return load
 
 
-def _fwd_kernel(*refs, num_sources: int, width: int, chunk: int, eps: float, masked: bool,
-                resident: bool):
+def _fwd_kernel(*refs, num_sources: int, width: int, chunk: int, eps: float, masked: bool):
   """refs: S source blocks [bn, d], q [1, d], (bias [S_pad] if masked), then h [bn, d],
   S alpha blocks [bn] and S r blocks [bn] (fp32)."""
   s_refs, q_ref = refs[:num_sources], refs[num_sources]
   bias_ref = refs[num_sources + 1] if masked else None
   h_ref, *stats = refs[num_sources + 1 + masked:]
   alpha_refs, r_refs = stats[:num_sources], stats[num_sources:]
-  num_chunks, load = width // chunk, _loader(chunk, resident)
+  num_chunks, load = width // chunk, _loader(chunk)
 
   def sums(c, carry):
     squares, dots = carry
@@ -122,7 +106,7 @@ def _fwd_kernel(*refs, num_sources: int, width: int, chunk: int, eps: float, mas
             tuple(acc + jnp.sum(s * q, axis=1) for acc, s in zip(dots, tiles)))
 
   zeros = (jnp.zeros(alpha_refs[0].shape, jnp.float32),) * num_sources
-  squares, dots = _chunk_loop(num_chunks, sums, (zeros, zeros), resident)
+  squares, dots = _chunk_loop(num_chunks, sums, (zeros, zeros))
 
   r = [jax.lax.rsqrt(sq / width + eps) for sq in squares]
   logits = [r_i * c_i for r_i, c_i in zip(r, dots)]
@@ -136,24 +120,24 @@ def _fwd_kernel(*refs, num_sources: int, width: int, chunk: int, eps: float, mas
     alpha_refs[i][...] = alpha[i]
     r_refs[i][...] = r[i]
 
-  def mix(c, carry):  # the second read of each tile: L2 hits (or kept, when resident)
+  def mix(c, carry):  # the second read of each tile: L2 hits
     h = alpha[0][:, None] * load(s_refs[0], c)
     for a, ref in zip(alpha[1:], s_refs[1:]):
       h = h + a[:, None] * load(ref, c)
     h_ref[:, _columns(c, chunk)] = h.astype(h_ref.dtype)
     return carry
 
-  _chunk_loop(num_chunks, mix, 0, resident)
+  _chunk_loop(num_chunks, mix, 0)
 
 
-def _bwd_kernel(*refs, num_sources: int, width: int, chunk: int, resident: bool):
+def _bwd_kernel(*refs, num_sources: int, width: int, chunk: int):
   """refs: S source blocks [bn, d], q [1, d], dh [bn, d], S alpha and S r blocks [bn], then
   S ds blocks [bn, d] and this program's dq partial sums [d] (fp32)."""
   n = num_sources
   s_refs, q_ref, dh_ref = refs[:n], refs[n], refs[n + 1]
   alpha_refs, r_refs = refs[n + 2:2 * n + 2], refs[2 * n + 2:3 * n + 2]
   ds_refs, dq_ref = refs[3 * n + 2:4 * n + 2], refs[4 * n + 2]
-  num_chunks, load = width // chunk, _loader(chunk, resident)
+  num_chunks, load = width // chunk, _loader(chunk)
 
   def sums(c, carry):
     dots, d_alpha = carry
@@ -165,7 +149,7 @@ def _bwd_kernel(*refs, num_sources: int, width: int, chunk: int, resident: bool)
             tuple(acc + jnp.sum(dh * s, axis=1) for acc, s in zip(d_alpha, tiles)))
 
   zeros = (jnp.zeros(alpha_refs[0].shape, jnp.float32),) * n
-  dots, d_alpha = _chunk_loop(num_chunks, sums, (zeros, zeros), resident)
+  dots, d_alpha = _chunk_loop(num_chunks, sums, (zeros, zeros))
 
   alpha = [ref[...] for ref in alpha_refs]
   r = [ref[...] for ref in r_refs]
@@ -174,7 +158,7 @@ def _bwd_kernel(*refs, num_sources: int, width: int, chunk: int, resident: bool)
   d_key = [dl * r_i for dl, r_i in zip(d_logit, r)]
   d_self = [dl * c * (r_i * r_i * r_i) / width for dl, c, r_i in zip(d_logit, dots, r)]
 
-  def grads(c, carry):  # the second read of each tile: L2 hits (or kept, when resident)
+  def grads(c, carry):  # the second read of each tile: L2 hits
     col = _columns(c, chunk)
     q = q_ref[:, col].astype(jnp.float32)
     dh = load(dh_ref, c)
@@ -187,7 +171,7 @@ def _bwd_kernel(*refs, num_sources: int, width: int, chunk: int, resident: bool)
     dq_ref[col] = jnp.sum(dq, axis=0)
     return carry
 
-  _chunk_loop(num_chunks, grads, 0, resident)
+  _chunk_loop(num_chunks, grads, 0)
 
 
 def _tiles(n: int, d: int, config: DepthMixConfig) -> tuple[int, int, int]:
@@ -229,7 +213,7 @@ def _forward(sources: tuple, query: jax.Array, valid: Optional[jax.Array], eps: 
   x = sources[0]
   h, *stats = pl.pallas_call(
       functools.partial(_fwd_kernel, num_sources=num_sources, width=d, chunk=chunk, eps=eps,
-                        masked=valid is not None, resident=config.resident),
+                        masked=valid is not None),
       grid=(n_pad // bn,),
       in_specs=in_specs,
       out_specs=[pl.BlockSpec((bn, d), lambda i: (i, 0))]
@@ -255,8 +239,7 @@ def _backward(sources: tuple, query: jax.Array, alpha: tuple, r: tuple, dh: jax.
   stat_spec = pl.BlockSpec((bn,), lambda i: (i,))
   x = sources[0]
   *d_sources, dq_partial = pl.pallas_call(
-      functools.partial(_bwd_kernel, num_sources=num_sources, width=d, chunk=chunk,
-                        resident=config.resident),
+      functools.partial(_bwd_kernel, num_sources=num_sources, width=d, chunk=chunk),
       grid=(programs,),
       in_specs=[row_spec] * num_sources + [pl.BlockSpec((1, d), lambda i: (0, 0)), row_spec]
                + [stat_spec] * (2 * num_sources),

@@ -1,7 +1,7 @@
 """The attention backward as Mosaic GPU kernels (sm90: wgmma, TMA, warp specialisation).
 
-The same dq and dk/dv split and the same per-query key ranges as `kernels.py`'s Triton pair: query
-t sees keys [k_lo[t], k_hi[t]), and each program walks only the blocks its tile's ranges touch.
+Query t sees keys [k_lo[t], k_hi[t]), and each program walks only the blocks its tile's ranges
+touch (a row of many documents costs the sum of its documents' blocks, not a whole causal pass).
 Here every block step is a warpgroup matrix multiply on tiles that a separate memory warpgroup
 streams into shared memory (`plgpu.emit_pipeline_warp_specialized`), and `compute_wgs` warpgroups
 share one stream: in the dq kernel each takes `block_q_dq` of the tile's queries against the same
@@ -10,9 +10,12 @@ blocks.
 
 Every kernel recomputes the logits:
   dq kernel    S = Q Kᵀ, dP = dO Vᵀ, dQ += dS K,  with dS = P ∘ (dP − δ), P = exp(S·scale − lse);
-  dk/dv kernel Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dV += Pᵀ dO, dK += dSᵀ Q; or split in two (the default,
-               `MosaicBwdConfig.dkv`): a dV kernel (Sᵀ, dV) and a dK kernel (Sᵀ, dPᵀ, dK), one
-               accumulator per warpgroup instead of two.
+  dV kernel    Sᵀ = K Qᵀ, dV += Pᵀ dO;
+  dK kernel    Sᵀ = K Qᵀ, dPᵀ = V dOᵀ, dK += dSᵀ Q.
+dK and dV come from two kernels, each warpgroup holding one accumulator ([64, Dv] or [64, D]), at
+the cost of computing S twice: on the H200 (RESULTS.md, run 31) at 4 × 8192 tokens, 12 heads, dV
+1.07 + dK 1.50 ms against 3.38 for one kernel with both accumulators and 3.17 for a Triton dk/dv
+kernel; the dq kernel 1.26 ms against a Triton one's 2.25.
 The element masks come from k_lo / k_hi and are applied only on block pairs that straddle a range
 edge (the per-block scalars of `_block_ranges` tell which); the loops' bounds come from per-tile
 block spans computed in XLA before the launch (`_block_spans`).
@@ -43,7 +46,6 @@ _TILE_ROWS = 8
 # A kernel's grid axes, and its warpgroup axis (the compute warpgroups and the memory one).
 _GRID = ("batch", "heads", "tiles")
 _WG = "wg"
-DKV_KERNELS = ("triton", "mosaic", "mosaic_split")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,13 +65,6 @@ class MosaicBwdConfig:
     compute_wgs: compute warpgroups per program (a program's tile is compute_wgs blocks).
     register_operands: P and dS enter their matmuls from registers (False: through shared memory,
       what the interpreter supports; slower on a GPU).
-    dkv: how dK and dV are made: 'mosaic_split' (one kernel here for dV and one for dK: 5
-      matmuls a block pair, S computed twice, but each warpgroup holds one accumulator, [64, Dv]
-      or [64, D]), 'mosaic' (one kernel for both: 4 matmuls, both accumulators) or 'triton'
-      (`kernels.py`'s, with `flash_attention`'s FlashConfig tiles). The dq kernel is always this
-      module's. On the H200 (RESULTS.md, run 31) at 4 × 8192 tokens, 12 heads, in one process:
-      dq 1.26 ms (Triton's 2.25); dV 1.07 + dK 1.50 split, 3.38 in one kernel, 3.17 in Triton's;
-      forward (tokamax's) + backward 4.97 / 5.49 / 5.33 ms, all-Triton backward 6.27.
     interpret: run in Mosaic GPU's interpreter on the CPU (tests).
   """
   block_q_dq: int = 64
@@ -78,7 +73,6 @@ class MosaicBwdConfig:
   block_k_dkv: int = 64
   num_stages: int = 2
   compute_wgs: int = 2
-  dkv: str = "mosaic_split"
   register_operands: bool = True
   interpret: bool = False
 
@@ -90,8 +84,6 @@ class MosaicBwdConfig:
       value = getattr(self, name)
       if value <= 0 or value % 64:
         raise ValueError(f"MosaicBwdConfig.{name} must be a positive multiple of 64, got {value}")
-    if self.dkv not in DKV_KERNELS:
-      raise ValueError(f"MosaicBwdConfig.dkv must be one of {DKV_KERNELS}, got {self.dkv!r}")
     for name in ("num_stages", "compute_wgs"):
       if getattr(self, name) < 1:
         raise ValueError(f"MosaicBwdConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -405,8 +397,8 @@ def mosaic_flash_dq(q, k, v, dout, lse, delta, k_lo, k_hi, *, scale: float,
 
 def mosaic_flash_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale: float,
                      cfg: MosaicBwdConfig):
-  """Padded inputs (module docstring) -> dk [B, S, Hk, D], dv [B, S, Hk, Dv] in k's dtype: one
-  kernel (cfg.dkv == 'mosaic') or one for dV and one for dK ('mosaic_split')."""
+  """Padded inputs (module docstring) -> dk [B, S, Hk, D], dv [B, S, Hk, Dv] in k's dtype, from
+  the dV kernel and the dK kernel."""
   b, t, h, d, s, hk, dv = _shapes(q, k, v, cfg)
   wgs = cfg.compute_wgs
   first, last = _block_spans(q_lo, q_hi, cfg.tile_k, cfg.block_q_dkv, t // cfg.block_q_dkv)
@@ -426,8 +418,6 @@ def mosaic_flash_dkv(q, k, v, dout, lse, delta, k_lo, k_hi, q_lo, q_hi, *, scale
         kernel_name=f"flash_ranges_{''.join(parts)}_mosaic", **_launch(cfg),
     )(q, k, v, dout, lse, delta, k_lo, k_hi, first, last, inner_lo, inner_hi)
 
-  if cfg.dkv == "mosaic":
-    return run(("dk", "dv"))
   (dv_,) = run(("dv",))
   (dk,) = run(("dk",))
   return dk, dv_

@@ -1,22 +1,20 @@
 """`flash_attention`: softmax attention over per-query key ranges, differentiable through Pallas.
 
-The forward is this package's kernel or a caller's (`forward`, e.g. tokamax's Mosaic GPU kernel,
-which returns the same log-sum-exp); the backward is always this package's dq and dk/dv kernels,
-which skip the blocks outside the ranges: Triton's (`kernels.py`) or, given a `MosaicBwdConfig`,
-Mosaic GPU's (`mosaic_bwd.py`, sm90). `reference_attention` is the dense
-definition for tests, small shapes only.
+The forward is the caller's (`forward`: tokamax's Mosaic GPU kernel in k3jax, a dense reference
+in the tests), returning the output and its log-sum-exp; the backward is this package's Mosaic GPU
+dq, dV and dK kernels (`mosaic_bwd.py`, sm90, or its interpreter), which skip the blocks outside
+the ranges. `reference_attention` is the dense definition for tests, small shapes only.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import Callable, Optional
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.flash_attention import kernels as fk
 from pallas_kernels.flash_attention import mosaic_bwd as mb
 
 # forward(q, k, v, aux) -> (out [B, T, H, Dv] in q.dtype, lse [B, H, T] fp32, +inf where nothing is
@@ -30,33 +28,24 @@ def _round_up(n: int, m: int) -> int:
   return -(-n // m) * m
 
 
-def _pow2(n: int) -> int:
-  # Triton tiles are powers of two, and its dots want at least 16 along each dimension.
-  return max(16, 1 << (n - 1).bit_length())
-
-
 def _pad(x, axis: int, length: int, value=0):
   pad = [(0, 0)] * x.ndim
   pad[axis] = (0, length - x.shape[axis])
   return jnp.pad(x, pad, constant_values=value)
 
 
-def _padded_shape(t: int, s: int, d: int, dv: int, cfg: fk.FlashConfig,
-                  mosaic: Optional[mb.MosaicBwdConfig] = None) -> tuple[int, int, int, int]:
-  """T, S, D, Dv padded for the Triton kernels' tiles and, given `mosaic`, the Mosaic ones'."""
-  tq, tk = max(cfg.block_q, cfg.block_q_dkv), max(cfg.block_k, cfg.block_k_dkv)
-  # q/k: a multiple of 16, read in power-of-two pieces by the Triton kernels; v: one power-of-two
-  # tile. The Mosaic kernels want whole 128-byte swizzle rows (64 bf16) as well.
-  dp, dvp = _round_up(d, 16), _pow2(dv)
-  if mosaic is not None:
-    tq = math.lcm(tq, mosaic.tile_q, mosaic.block_q_dkv)
-    tk = math.lcm(tk, mosaic.tile_k, mosaic.block_k_dq)
-    dp, dvp = _round_up(d, 64), max(64, dvp)
-  return _round_up(t, tq), _round_up(s, tk), dp, dvp
+def _padded_shape(t: int, s: int, d: int, dv: int, cfg: mb.MosaicBwdConfig
+                  ) -> tuple[int, int, int, int]:
+  """T, S, D, Dv padded to the kernels' tiles: whole query and key tiles of both kernels, and
+  head dims of whole 128-byte swizzle rows (64 bf16), the value dim a power of two."""
+  tq = math.lcm(cfg.tile_q, cfg.block_q_dkv)
+  tk = math.lcm(cfg.tile_k, cfg.block_k_dq)
+  return (_round_up(t, tq), _round_up(s, tk), _round_up(d, 64),
+          max(64, 1 << (dv - 1).bit_length()))
 
 
-def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg, mosaic=None):
-  tp, sp, dp, dvp = _padded_shape(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], cfg, mosaic)
+def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg):
+  tp, sp, dp, dvp = _padded_shape(q.shape[1], k.shape[1], q.shape[-1], v.shape[-1], cfg)
   q = _pad(_pad(q, 1, tp), 3, dp)
   k = _pad(_pad(k, 1, sp), 3, dp)
   v = _pad(_pad(v, 1, sp), 3, dvp)
@@ -66,49 +55,32 @@ def _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg, mosaic=None):
   return q, k, v, k_lo, k_hi, q_lo, q_hi
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
-def _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward, mosaic):
-  return _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward, mosaic)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, forward, backward):
+  return _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, forward, backward)[0]
 
 
-def _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg):
-  t, dv = q.shape[1], v.shape[-1]
-  qp, kp, vp, klo, khi, _, _ = _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg)
-  out, lse = fk.flash_fwd(qp, kp, vp, klo, khi, scale=scale, cfg=cfg)
-  return out[:, :t, :, :dv], lse[:, :, :t]
-
-
-def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, cfg, forward, mosaic):
-  del mosaic
-  if forward is None:
-    out, lse = _own_forward(q, k, v, k_lo, k_hi, q_lo, q_hi, scale, cfg)
-  else:
-    out, lse = forward(q, k, v, aux)
+def _attention_fwd(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, scale, forward, backward):
+  del scale, backward
+  out, lse = forward(q, k, v, aux)
   return out, (q, k, v, k_lo, k_hi, q_lo, q_hi, out, lse)
 
 
-def _attention_bwd(scale, cfg, forward, mosaic, res, dout):
+def _attention_bwd(scale, forward, backward, res, dout):
   del forward
   q, k, v, k_lo, k_hi, q_lo, q_hi, out, lse = res
   t, s = q.shape[1], k.shape[1]
   d, dv = q.shape[-1], v.shape[-1]
   # delta_t = o_t . do_t, the softmax backward's row term, [B, H, T] fp32.
   delta = jnp.einsum("bthv,bthv->bht", out.astype(jnp.float32), dout.astype(jnp.float32))
-  qp, kp, vp, klo, khi, qlo, qhi = _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, cfg, mosaic)
+  qp, kp, vp, klo, khi, qlo, qhi = _pad_inputs(q, k, v, k_lo, k_hi, q_lo, q_hi, backward)
   tp = qp.shape[1]
   dop = _pad(_pad(dout.astype(v.dtype), 1, tp), 3, vp.shape[-1])
   lse = _pad(lse, 2, tp, jnp.inf)
   delta = _pad(delta, 2, tp)
-  if mosaic is not None:
-    dq = mb.mosaic_flash_dq(qp, kp, vp, dop, lse, delta, klo, khi, scale=scale, cfg=mosaic)
-  else:
-    dq = fk.flash_bwd_dq(qp, kp, vp, dop, lse, delta, klo, khi, scale=scale, cfg=cfg)
-  if mosaic is not None and mosaic.dkv != "triton":
-    dk, dv_ = mb.mosaic_flash_dkv(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
-                                  cfg=mosaic)
-  else:
-    dk, dv_ = fk.flash_bwd_dkv(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
-                               cfg=cfg)
+  dq = mb.mosaic_flash_dq(qp, kp, vp, dop, lse, delta, klo, khi, scale=scale, cfg=backward)
+  dk, dv_ = mb.mosaic_flash_dkv(qp, kp, vp, dop, lse, delta, klo, khi, qlo, qhi, scale=scale,
+                                cfg=backward)
   return (dq[:, :t, :, :d], dk[:, :s, :, :d], dv_[:, :s, :, :dv], None, None, None, None, None)
 
 
@@ -116,11 +88,9 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k_hi: jax.Array,
-                    q_lo: jax.Array, q_hi: jax.Array, *, scale: float,
-                    config: fk.FlashConfig = fk.FlashConfig(),
-                    forward: Optional[ForwardFn] = None,
-                    forward_aux: Optional[jax.Array] = None,
-                    mosaic_backward: Optional[mb.MosaicBwdConfig] = None) -> jax.Array:
+                    q_lo: jax.Array, q_hi: jax.Array, *, scale: float, forward: ForwardFn,
+                    forward_aux: jax.Array | None = None,
+                    backward: mb.MosaicBwdConfig = mb.MosaicBwdConfig()) -> jax.Array:
   """Attention where query t sees keys [k_lo[t], k_hi[t]); differentiable in q, k, v.
 
   Args:
@@ -128,16 +98,13 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
       the interpreter), H % Hk == 0.
     k_lo, k_hi [B, T] int32: each query's key range (empty when k_lo >= k_hi: zeros out).
     q_lo, q_hi [B, S] int32: a range of queries that covers every query seeing key s (used only to
-      bound the dk/dv loops; see `kernels.py`).
+      bound the dk/dv loops; a superset is correct, only slower).
     scale: logit scale.
-    config: block sizes, launches, interpret mode.
-    forward: None (this package's forward kernel) or a callable (q, k, v, forward_aux) -> (out,
-      lse [B, H, T] fp32) computing the same attention, e.g. tokamax's Mosaic GPU kernel. It must
-      be free of traced values (a module-level function, or a partial over Python constants).
+    forward: (q, k, v, forward_aux) -> (out, lse [B, H, T] fp32) computing the same attention,
+      e.g. tokamax's Mosaic GPU kernel. It must be free of traced values (a module-level function,
+      or a partial over Python constants).
     forward_aux: the array `forward` reads besides q, k, v (e.g. segment ids); not differentiated.
-    mosaic_backward: None (the Triton backward, `config`'s tiles), or the Mosaic GPU backward's
-      tiles: its dq kernel, and dk/dv from Triton or Mosaic kernels (`MosaicBwdConfig.dkv`);
-      sm90 GPUs, or its interpreter.
+    backward: the Mosaic GPU backward's tiles and launch (sm90 GPUs, or its interpreter).
 
   Returns:
     [B, T, H, Dv] in q.dtype.
@@ -148,13 +115,15 @@ def flash_attention(q: jax.Array, k: jax.Array, v: jax.Array, k_lo: jax.Array, k
                      f"{v.shape}")
   if h % k.shape[2]:
     raise ValueError(f"query heads {h} must be a multiple of key heads {k.shape[2]}")
+  if not callable(forward):
+    raise ValueError(f"forward must be a callable (q, k, v, forward_aux) -> (out, lse), got "
+                     f"{forward!r}")
   s = k.shape[1]
   for name, x, n in (("k_lo", k_lo, t), ("k_hi", k_hi, t), ("q_lo", q_lo, s), ("q_hi", q_hi, s)):
     if x.shape != (b, n) or x.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32 [{b}, {n}], got {x.dtype} {x.shape}")
   aux = jnp.zeros((0,), jnp.int32) if forward_aux is None else forward_aux
-  return _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, float(scale), config, forward,
-                    mosaic_backward)
+  return _attention(q, k, v, k_lo, k_hi, q_lo, q_hi, aux, float(scale), forward, backward)
 
 
 def reference_attention(q, k, v, k_lo, k_hi, *, scale: float) -> jax.Array:

@@ -20,8 +20,9 @@ are computed once, and no row is ever shifted, so no scratch memory or barrier i
             writing dx. The program's partial sums of dw stay in registers and are written once.
 
 A row whose taps (and, in the backward, the rows whose dy reaches it) all lie in its own document
-takes a branch without the masks' selects (`ConvConfig.branch`): all but a document's first and
-last W-1 rows; the branch is uniform across the program, which handles one row at a time.
+takes a branch without the masks' selects: all but a document's first and last W-1 rows; the
+branch is uniform across the program, which handles one row at a time (H200, RESULTS.md run 29:
+the backward 0.171 against 0.185 ms with every row masked).
 
 Rows outside [0, T) read segment id 0: they never reach a token (m = 0), and the loads of x and
 dout at them are clamped to the row, so the same code runs compiled and in the interpreter, with no
@@ -55,14 +56,11 @@ class ConvConfig:
   Attributes:
     chunk_t: tokens a program walks (the last program of a row may run past its end).
     block_c: channels a program owns (each step loads one [block_c] row).
-    branch: rows whose taps all lie in their own segment (all but a document's first and last
-      W-1) take a branch without the masks' selects; False: every row computes the masks.
     launch: (num_warps, num_stages); the interpreter ignores it.
     interpret: run in the Pallas interpreter (CPU).
   """
   chunk_t: int = 128
   block_c: int = 256
-  branch: bool = True
   launch: tuple = (1, 1)
   interpret: bool = False
 
@@ -116,7 +114,7 @@ def _one_segment(here, others):
 
 
 def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, chunk: int, t_len: int,
-                branch: bool, fast: bool):
+                fast: bool):
   """x_ref [T, bc], seg_ref [T] int32, w_ref [Wp, bc]; o_ref [chunk, bc], this program's rows."""
   w = [w_ref[pl.ds(k, 1), :].astype(jnp.float32) for k in range(width)]
   t0 = pl.program_id(1) * chunk
@@ -129,11 +127,8 @@ def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, chunk: int, t_len: 
     t = t0 + i
     x_t, seg_t = _row(x_ref, t, t_len), _seg(seg_ref, t, t_len)
     xs_all, segs_all = (x_t,) + xs, (seg_t,) + segs
-    if branch:
-      y = jax.lax.cond(_one_segment(seg_t, segs), lambda: _y(w, xs_all, segs_all, masked=False),
-                       lambda: _y(w, xs_all, segs_all))
-    else:
-      y = _y(w, xs_all, segs_all)
+    y = jax.lax.cond(_one_segment(seg_t, segs), lambda: _y(w, xs_all, segs_all, masked=False),
+                     lambda: _y(w, xs_all, segs_all))
     o_ref[pl.ds(i, 1), :] = (y * _sigmoid(y, fast)).astype(o_ref.dtype)
     return ((x_t,) + xs)[:width - 1], ((seg_t,) + segs)[:width - 1]
 
@@ -141,7 +136,7 @@ def _fwd_kernel(x_ref, seg_ref, w_ref, o_ref, *, width: int, chunk: int, t_len: 
 
 
 def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, *, width: int, chunk: int,
-                t_len: int, branch: bool, fast: bool):
+                t_len: int, fast: bool):
   """x_ref, dout_ref [T, bc], seg_ref [T] int32, w_ref [Wp, bc]; dx_ref [chunk, bc] (this
   program's rows); dw_ref [Wp, bc] fp32, this program's partial sums of the kernel's gradient."""
   w = [w_ref[pl.ds(k, 1), :].astype(jnp.float32) for k in range(width)]
@@ -182,11 +177,8 @@ def _bwd_kernel(x_ref, seg_ref, dout_ref, w_ref, dx_ref, dw_ref, *, width: int, 
     if not emit:
       dy, _, _ = rows(True)
     else:
-      if branch:
-        dy, dx, dw = jax.lax.cond(_one_segment(here, segs_all[1:] + dy_segs),
-                                  lambda: rows(False), lambda: rows(True))
-      else:
-        dy, dx, dw = rows(True)
+      dy, dx, dw = jax.lax.cond(_one_segment(here, segs_all[1:] + dy_segs),
+                                lambda: rows(False), lambda: rows(True))
       dx_ref[pl.ds(t - t0, 1), :] = dx.astype(dx_ref.dtype)
     return (xs_all[1:], segs_all[1:], ((dy,) + dys)[:width - 1],
             ((here,) + dy_segs)[:width - 1], dw)
@@ -288,7 +280,7 @@ def conv_silu_fwd(x: jax.Array, kernel: jax.Array, segment_ids, out_dtype,
   w, xs = _padded(lay, kernel, x)
   out = pl.pallas_call(
       functools.partial(_fwd_kernel, width=width, chunk=lay.chunk, t_len=t,
-                        branch=config.branch, fast=not config.interpret),
+                        fast=not config.interpret),
       grid=lay.grid(b),
       in_specs=[lay.rows_spec(t), lay.seg_spec(t), lay.kernel_spec()],
       out_specs=lay.chunk_spec(),
@@ -314,7 +306,7 @@ def conv_silu_bwd(x: jax.Array, kernel: jax.Array, segment_ids, dout: jax.Array,
   w, xs, douts = _padded(lay, kernel, x, dout)
   dx, dw = pl.pallas_call(
       functools.partial(_bwd_kernel, width=width, chunk=lay.chunk, t_len=t,
-                        branch=config.branch, fast=not config.interpret),
+                        fast=not config.interpret),
       grid=lay.grid(b),
       in_specs=[lay.rows_spec(t), lay.seg_spec(t), lay.rows_spec(t), lay.kernel_spec()],
       out_specs=[lay.chunk_spec(),

@@ -9,7 +9,7 @@ import pytest
 
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax import sharding
+from k3jax.parallel import sharding
 from k3jax.layers.conv import causal_conv1d, conv_silu
 
 
@@ -33,16 +33,16 @@ def _inputs(dtype, width=4, shape=(2, 12, 6)):
 @pytest.mark.parametrize("dtype, tol", [(jnp.float32, 2e-6), (jnp.bfloat16, 1e-2)])
 @pytest.mark.parametrize("segments", [True, False])
 @pytest.mark.parametrize("width", [1, 4])
-@pytest.mark.parametrize("backward", ["xla", "pallas"])
-def test_values_and_gradients_match_autodiff(dtype, tol, segments, width, backward):
+@pytest.mark.parametrize("kernel_choice", ["xla", "pallas"])
+def test_values_and_gradients_match_autodiff(dtype, tol, segments, width, kernel_choice):
   x, kernel, cot = _inputs(dtype, width)
   seg = SEG if segments else None
-  out = conv_silu(x, kernel, seg, dtype, backward)
+  out = conv_silu(x, kernel, seg, dtype, kernel_choice)
   ref = reference(x, kernel, seg, dtype)
   assert out.dtype == ref.dtype
   np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref, np.float32),
                              rtol=tol, atol=tol)
-  ours = lambda x, k, seg, dtype: conv_silu(x, k, seg, dtype, backward)
+  ours = lambda x, k, seg, dtype: conv_silu(x, k, seg, dtype, kernel_choice)
   loss = lambda f: (lambda x, k: jnp.sum(f(x, k, seg, dtype).astype(jnp.float32) * cot))
   for a, b in zip(jax.grad(loss(ours), (0, 1))(x, kernel),
                   jax.grad(loss(reference), (0, 1))(x, kernel)):
@@ -75,9 +75,9 @@ def test_backward_keeps_only_the_bf16_input():
   assert old.count(f32_full) >= 2, old   # the check sees what autodiff keeps
 
 
-def test_bad_shapes_and_backward_raise():
+def test_bad_shapes_and_kernel_choice_raise():
   x, kernel, _ = _inputs(jnp.float32)
-  with pytest.raises(ValueError, match=r"ModelConfig\.kda_conv_backward = 'triton': expected one of"):
+  with pytest.raises(ValueError, match=r"ImplConfig\.kda_conv_kernel = 'triton': expected one of"):
     conv_silu(x, kernel, None, jnp.float32, "triton")
   with pytest.raises(ValueError, match="kernel"):
     conv_silu(x, kernel[:, :3], None, jnp.float32)
@@ -86,15 +86,15 @@ def test_bad_shapes_and_backward_raise():
 
 
 def test_pallas_backward_under_a_batch_mesh_equals_one_device():
-  """backward='pallas' under a mesh sharding the batch: each device runs the kernels on its own
+  """kernel_choice='pallas' under a mesh sharding the batch: each device runs the kernels on its own
   rows and the kernel's gradient is the sum of the devices' parts; the outputs and gradients of
   the XLA path on one device."""
   x, kernel, _ = _inputs(jnp.float32, shape=(8, 12, 6))
   seg = jnp.tile(SEG, (4, 1))
   cot = jax.random.normal(jax.random.PRNGKey(5), x.shape)
 
-  def grads(backward):
-    out = lambda x, k: conv_silu(x, k, seg, jnp.float32, backward)
+  def grads(kernel_choice):
+    out = lambda x, k: conv_silu(x, k, seg, jnp.float32, kernel_choice)
     loss = lambda x, k: jnp.sum(out(x, k) * cot)
     return jax.jit(lambda x, k: (out(x, k),) + jax.grad(loss, argnums=(0, 1))(x, k))
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from k3jax.config import ModelConfig
-from k3jax.layers.ffn import SiTUGLU, situ, situ_glu, softcap
+from k3jax.layers.ffn import SiTUGLU
+from k3jax.ops.situ_glu import situ, situ_glu, softcap
 
 
 def _np_situ_glu(a, b, beta1=4.0, beta2=25.0):
@@ -82,12 +83,13 @@ def test_layer_matches_numpy(dtype):
 
 
 def test_chunked_layer_equals_unchunked():
-  """position_chunk_tokens: values and gradients (params and input) equal the whole-sequence
-  layer, with T not a multiple of the chunk; the parameters are the same tree."""
+  """chunk_tokens (ImplConfig.position_chunk_tokens): values and gradients (params and input)
+  equal the whole-sequence layer, with T not a multiple of the chunk; the parameters are the same
+  tree."""
   cfg = dataclasses.replace(ModelConfig(), init_std=0.3)
   x = jnp.asarray(np.random.default_rng(3).normal(size=(2, 11, 16)), jnp.float32)
   whole = SiTUGLU(cfg, hidden_dim=24)
-  chunked = SiTUGLU(dataclasses.replace(cfg, position_chunk_tokens=6), hidden_dim=24)
+  chunked = SiTUGLU(cfg, hidden_dim=24, chunk_tokens=6)
   params = nn.unbox(jax.jit(whole.init)(jax.random.key(1, impl="rbg"), x)["params"])
   shapes = jax.eval_shape(chunked.init, jax.random.key(1, impl="rbg"), x)["params"]
   assert jax.tree.structure(nn.unbox(shapes)) == jax.tree.structure(params)

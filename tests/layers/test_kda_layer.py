@@ -11,12 +11,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.config import ModelConfig
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers import kda as kda_layer
 from k3jax.layers.kda import KDALayer
 
 BASE = ModelConfig(d_model=16, kda_num_heads=2, kda_head_dim=8, kda_value_dim=6, kda_conv_size=4,
-                   kda_chunk_size=16, kda_backend="xla", init_std=0.3)
+                   kda_chunk_size=16, init_std=0.3)
+IMPL = ImplConfig(kda_backend="xla")
 
 
 def _params(variables):
@@ -95,7 +96,7 @@ SEG = np.array([[1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 0, 
 def test_matches_naive(gate_rank, lower_bound):
   cfg = dataclasses.replace(BASE, kda_gate_rank=gate_rank, kda_gate_lower_bound=lower_bound)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 22, cfg.d_model))
-  layer = KDALayer(cfg)
+  layer = KDALayer(cfg, IMPL)
   variables = layer.init(jax.random.PRNGKey(1), x)
   p = _params(variables)
   fwd = jax.jit(layer.apply)
@@ -106,7 +107,7 @@ def test_matches_naive(gate_rank, lower_bound):
 
 
 def test_init_and_axes():
-  variables = KDALayer(BASE).init(jax.random.PRNGKey(0), jnp.ones((1, 4, BASE.d_model)))
+  variables = KDALayer(BASE, IMPL).init(jax.random.PRNGKey(0), jnp.ones((1, 4, BASE.d_model)))
   p = variables["params"]
   assert p["q_proj"].names == ("embed", "heads", "head_dim")
   assert p["o_proj"].names == ("heads", "head_dim", "embed")
@@ -116,13 +117,13 @@ def test_init_and_axes():
   dt = np.log1p(np.exp(np.asarray(p["dt_bias"].value)))  # softplus undoes the inverse
   assert p["dt_bias"].value.shape == (16,) and dt.min() >= 1e-3 * 0.999 and dt.max() <= 0.1 * 1.001
   unbounded = dataclasses.replace(BASE, kda_gate_lower_bound=None)
-  a = np.exp(np.asarray(KDALayer(unbounded).init(jax.random.PRNGKey(0), jnp.ones(
+  a = np.exp(np.asarray(KDALayer(unbounded, IMPL).init(jax.random.PRNGKey(0), jnp.ones(
       (1, 4, BASE.d_model)))["params"]["A_log"].value))
   assert a.min() >= 1.0 and a.max() <= 16.0
 
 
 def test_packed_rows_equal_separate_documents():
-  layer = KDALayer(BASE)
+  layer = KDALayer(BASE, IMPL)
   x = jax.random.normal(jax.random.PRNGKey(2), (1, 22, BASE.d_model))
   variables = layer.init(jax.random.PRNGKey(3), x)
   fwd = jax.jit(layer.apply)
@@ -136,7 +137,7 @@ def test_packed_rows_equal_separate_documents():
 @pytest.mark.parametrize("prefill", [5, 17])
 def test_decode_equals_full_forward(prefill):
   b, t = 2, 21
-  layer = KDALayer(BASE)
+  layer = KDALayer(BASE, IMPL)
   x = jax.random.normal(jax.random.PRNGKey(4), (b, t, BASE.d_model))
   variables = layer.init(jax.random.PRNGKey(5), jnp.zeros((b, t, BASE.d_model)), decode=True)
   cache = variables["cache"]
@@ -156,7 +157,7 @@ def test_decode_equals_full_forward(prefill):
 
 
 def test_decode_padding_leaves_state():
-  layer = KDALayer(BASE)
+  layer = KDALayer(BASE, IMPL)
   x = jax.random.normal(jax.random.PRNGKey(6), (1, 9, BASE.d_model))
   variables = layer.init(jax.random.PRNGKey(7), jnp.zeros((1, 9, BASE.d_model)), decode=True)
   seg = np.array([[0, 0, 0, 1, 1, 1, 1, 1, 1]], np.int32)
@@ -184,7 +185,7 @@ def _gate(layer, variables, x):
 
 
 def test_bounded_gate_range():
-  layer = KDALayer(BASE)
+  layer = KDALayer(BASE, IMPL)
   x = jax.random.normal(jax.random.PRNGKey(8), (2, 16, BASE.d_model))
   variables = layer.init(jax.random.PRNGKey(9), x)
   g = _gate(layer, variables, x)
@@ -195,31 +196,31 @@ def test_bounded_gate_range():
   assert g_big.min() >= -5.0 and g_big.max() <= 0.0
   assert g_big.min() == -5.0 and g_big.max() > -1e-6
   unbounded = dataclasses.replace(BASE, kda_gate_lower_bound=None)
-  layer_u = KDALayer(unbounded)
+  layer_u = KDALayer(unbounded, IMPL)
   g_u = _gate(layer_u, layer_u.init(jax.random.PRNGKey(9), x), 1e3 * x)
   assert g_u.max() <= 0.0 and g_u.min() < -5.0
 
 
 def test_bfloat16_close_to_float32():
   x = jax.random.normal(jax.random.PRNGKey(10), (1, 22, BASE.d_model))
-  variables = KDALayer(BASE).init(jax.random.PRNGKey(11), x)
-  y32 = np.asarray(jax.jit(KDALayer(BASE).apply)(variables, x, SEG[:1]))
+  variables = KDALayer(BASE, IMPL).init(jax.random.PRNGKey(11), x)
+  y32 = np.asarray(jax.jit(KDALayer(BASE, IMPL).apply)(variables, x, SEG[:1]))
   bf = dataclasses.replace(BASE, dtype="bfloat16")
-  y16 = jax.jit(KDALayer(bf).apply)(variables, x, SEG[:1])
+  y16 = jax.jit(KDALayer(bf, IMPL).apply)(variables, x, SEG[:1])
   assert y16.dtype == jnp.bfloat16
   err = np.abs(np.asarray(y16.astype(jnp.float32)) - y32).max()
   assert err < 0.05 * np.abs(y32).max(), err
 
 
-def test_conv_backward_setting_reaches_the_three_short_convs():
-  """ModelConfig.kda_conv_backward = 'pallas' puts the Pallas kernels in the layer's gradient, a
+def test_conv_kernel_setting_reaches_the_three_short_convs():
+  """ImplConfig.kda_conv_kernel = 'pallas' puts the Pallas kernels in the layer's gradient, a
   forward and a backward kernel per short conv (their values: tests/layers/test_conv_silu_vjp.py,
   tests/pallas/test_short_conv.py); 'xla' has none."""
   x = jax.random.normal(jax.random.PRNGKey(4), (1, 22, BASE.d_model))
-  variables = KDALayer(BASE).init(jax.random.PRNGKey(6), x)
+  variables = KDALayer(BASE, IMPL).init(jax.random.PRNGKey(6), x)
 
-  def kernels_in_gradient(backward):
-    layer = KDALayer(dataclasses.replace(BASE, kda_conv_backward=backward))
+  def kernels_in_gradient(kernel_choice):
+    layer = KDALayer(BASE, dataclasses.replace(IMPL, kda_conv_kernel=kernel_choice))
     loss = lambda v, x: jnp.sum(layer.apply(v, x, SEG[:1]))
     jaxpr = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(variables, x))
     # Calls of the jitted kernel functions (the printed jaxpr shows a jitted function's body, with
@@ -233,14 +234,13 @@ def test_conv_backward_setting_reaches_the_three_short_convs():
   assert kernels_in_gradient("xla") == [0, 0]
 
 
-@pytest.mark.parametrize("backend,conv_backward", [("xla", "xla"), ("pallas", "pallas")])
-def test_unmasked_qkv_give_the_masking_paths_gradients(monkeypatch, backend, conv_backward):
+@pytest.mark.parametrize("backend,conv_kernel", [("xla", "xla"), ("pallas", "pallas")])
+def test_unmasked_qkv_give_the_masking_paths_gradients(monkeypatch, backend, conv_kernel):
   """The layer tells chunk_kda that q, k, v are zero at padding (its short convolutions make them
   so) and skips their masking: its output and every gradient (parameters and input; padding
   inside a row and at its end) equal those of the layer with chunk_kda masking them."""
-  cfg = dataclasses.replace(BASE, kda_backend=backend, kda_conv_backward=conv_backward,
-                            kda_gate_rank=4)
-  layer = KDALayer(cfg)
+  cfg = dataclasses.replace(BASE, kda_gate_rank=4)
+  layer = KDALayer(cfg, ImplConfig(kda_backend=backend, kda_conv_kernel=conv_kernel))
   seg = np.array(SEG)
   seg[1, 9:12] = 0                                   # padding inside the second row's document
   x = jax.random.normal(jax.random.PRNGKey(12), (2, 22, cfg.d_model))

@@ -12,11 +12,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.config import ModelConfig
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers.mla import LORA_NORM_EPS, GatedMLA
 
 BASE = ModelConfig(d_model=16, mla_num_heads=2, mla_kv_lora_rank=12, mla_qk_nope_dim=8,
-                   mla_qk_rope_dim=4, mla_v_dim=6, init_std=0.3, attention_impl="xla")
+                   mla_qk_rope_dim=4, mla_v_dim=6, init_std=0.3)
+IMPL = ImplConfig(attention_impl="xla")
 
 
 def _params(variables):
@@ -68,7 +69,7 @@ def test_matches_naive(q_lora, rope, gate):
   cfg = dataclasses.replace(BASE, mla_q_lora_rank=q_lora, mla_qk_rope_dim=rope,
                             mla_output_gate=gate)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 8, cfg.d_model))
-  layer = GatedMLA(cfg)
+  layer = GatedMLA(cfg, IMPL)
   variables = layer.init(jax.random.PRNGKey(1), x)
   for seg in (None, SEG):
     y = layer.apply(variables, x, seg)
@@ -77,7 +78,7 @@ def test_matches_naive(q_lora, rope, gate):
 
 
 def test_param_axes():
-  variables = GatedMLA(BASE).init(jax.random.PRNGKey(1), jnp.ones((1, 4, BASE.d_model)))
+  variables = GatedMLA(BASE, IMPL).init(jax.random.PRNGKey(1), jnp.ones((1, 4, BASE.d_model)))
   p = variables["params"]
   assert p["wq"].names == ("embed", "heads", "head_dim")
   assert p["wo"].names == ("heads", "head_dim", "embed")
@@ -86,7 +87,7 @@ def test_param_axes():
 
 def test_causality_and_segment_isolation():
   x = jax.random.normal(jax.random.PRNGKey(2), (2, 8, BASE.d_model))
-  layer = GatedMLA(BASE)
+  layer = GatedMLA(BASE, IMPL)
   variables = layer.init(jax.random.PRNGKey(3), x)
   y = np.asarray(layer.apply(variables, x, SEG))
   # Future tokens of row 1 change: earlier outputs must not.
@@ -103,7 +104,7 @@ def test_causality_and_segment_isolation():
 
 def test_output_gate_closes():
   x = jax.random.normal(jax.random.PRNGKey(4), (1, 6, BASE.d_model))
-  layer = GatedMLA(BASE)
+  layer = GatedMLA(BASE, IMPL)
   variables = layer.init(jax.random.PRNGKey(5), x)
   y_open = np.asarray(layer.apply(variables, x))
   params = _params(variables)
@@ -117,7 +118,7 @@ def test_output_gate_closes():
   assert np.abs(y_closed).max() < 1e-12
   ungated = dataclasses.replace(BASE, mla_output_gate=False)
   no_gate = {k: v for k, v in params.items() if k != "w_gate"}
-  y_ungated = np.asarray(GatedMLA(ungated).apply({"params": no_gate}, x))
+  y_ungated = np.asarray(GatedMLA(ungated, IMPL).apply({"params": no_gate}, x))
   np.testing.assert_allclose(y_ungated, naive_mla(no_gate, x, ungated), atol=2e-5, rtol=1e-4)
   assert not np.allclose(y_ungated, y_open)
 
@@ -127,7 +128,7 @@ def test_decode_equals_full_forward(q_lora):
   cfg = dataclasses.replace(BASE, mla_q_lora_rank=q_lora)
   b, max_len, prefill = 2, 10, 4
   x = jax.random.normal(jax.random.PRNGKey(6), (b, max_len, cfg.d_model))
-  layer = GatedMLA(cfg)
+  layer = GatedMLA(cfg, IMPL)
   variables = layer.init(jax.random.PRNGKey(7), jnp.zeros((b, max_len, cfg.d_model)), decode=True)
   cache = variables["cache"]
   assert cache["cached_ckv"].shape == (b, max_len, cfg.mla_kv_lora_rank)
@@ -150,7 +151,7 @@ def test_decode_equals_full_forward(q_lora):
 def test_decode_left_padding():
   b, t = 1, 7
   x = jax.random.normal(jax.random.PRNGKey(8), (b, t, BASE.d_model))
-  layer = GatedMLA(BASE)
+  layer = GatedMLA(BASE, IMPL)
   variables = layer.init(jax.random.PRNGKey(9), jnp.zeros((b, t, BASE.d_model)), decode=True)
   seg = np.array([[0, 0, 1, 1, 1, 1, 1]], np.int32)
   y, _ = layer.apply(variables, x, seg, decode=True, mutable=["cache"])
@@ -161,9 +162,9 @@ def test_decode_left_padding():
 
 def test_bfloat16_close_to_float32():
   x = jax.random.normal(jax.random.PRNGKey(10), (2, 8, BASE.d_model))
-  variables = GatedMLA(BASE).init(jax.random.PRNGKey(11), x)
-  y32 = np.asarray(GatedMLA(BASE).apply(variables, x, SEG))
-  y16 = GatedMLA(dataclasses.replace(BASE, dtype="bfloat16")).apply(variables, x, SEG)
+  variables = GatedMLA(BASE, IMPL).init(jax.random.PRNGKey(11), x)
+  y32 = np.asarray(GatedMLA(BASE, IMPL).apply(variables, x, SEG))
+  y16 = GatedMLA(dataclasses.replace(BASE, dtype="bfloat16"), IMPL).apply(variables, x, SEG)
   assert y16.dtype == jnp.bfloat16
   err = np.abs(np.asarray(y16.astype(jnp.float32)) - y32).max()
   assert err < 0.05 * np.abs(y32).max(), err
@@ -181,7 +182,7 @@ def test_training_grad_holds_no_t_squared_array():
   """jit(grad) of the MLA training forward at T = 65536 with segment ids (and QK-Clip's max-logit
   statistic): no array of T² elements in the lowered or the compiled program (not run)."""
   t = 65536
-  layer = GatedMLA(BASE)
+  layer = GatedMLA(BASE, IMPL)
   params = jax.eval_shape(lambda: layer.init(jax.random.PRNGKey(0), jnp.zeros((1, 8, 16)),
                                              jnp.ones((1, 8), jnp.int32)))
 

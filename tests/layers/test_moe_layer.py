@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.config import ModelConfig
+from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers.moe import (LatentMoE, Router, aux_balance_loss, loss_free_bias_update,
                               max_violation, quantile_balance_thresholds,
                               quantile_balance_update)
@@ -113,17 +113,17 @@ def _flat(tree, prefix=""):
   return out
 
 
-@pytest.mark.parametrize("overrides", [
-    {},
-    {"moe_latent_dim": 0, "moe_latent_norm": False, "moe_num_shared": 0},
-    {"moe_latent_norm": False, "moe_balance": "aux_loss"},
-    {"moe_grouped_matmul": "tokamax"},
-    {"moe_grouped_matmul": "tiled"},
+@pytest.mark.parametrize("overrides,impl", [
+    ({}, ImplConfig()),
+    ({"moe_latent_dim": 0, "moe_latent_norm": False, "moe_num_shared": 0}, ImplConfig()),
+    ({"moe_latent_norm": False, "moe_balance": "aux_loss"}, ImplConfig()),
+    ({}, ImplConfig(moe_grouped_matmul="tokamax")),
+    ({}, ImplConfig(moe_grouped_matmul="tiled")),
 ])
-def test_latent_moe_matches_dense_reference(overrides):
+def test_latent_moe_matches_dense_reference(overrides, impl):
   cfg = _cfg(**overrides)
   x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 9, 16)), jnp.float32)
-  layer = LatentMoE(cfg)
+  layer = LatentMoE(cfg, impl)
   params = _random_variables(layer, 1, x)["params"]
   bias = np.array([0.05, -0.1, 0.0, 0.2, -0.05, 0.1], np.float32)
   y, aux = _apply(layer, {"params": params, "moe_state": {"bias": jnp.asarray(bias)}}, x)
@@ -188,7 +188,7 @@ def test_latent_moe_gradients_equal_across_grouped_matmuls():
   mask = jnp.ones((2, 12), bool).at[0, 9:].set(False)
   results = {}
   for choice in ("tokamax", "tiled", "ragged_dot"):
-    layer = LatentMoE(_cfg(moe_grouped_matmul=choice))
+    layer = LatentMoE(_cfg(), ImplConfig(moe_grouped_matmul=choice))
     variables = _random_variables(layer, 7, x, mask)
 
     def loss(params, x, layer=layer, variables=variables):
@@ -222,14 +222,14 @@ def test_latent_moe_capacity_and_bf16():
 
 @pytest.mark.parametrize("balance", ["quantile", "loss_free", "aux_loss"])
 def test_latent_moe_chunked_equals_unchunked(balance):
-  """position_chunk_tokens: outputs, loads, MaxVio, aux loss, the balance bias update and the
-  gradients (params and input) equal the whole-batch layer; T is not a multiple of the chunk and
-  the batch has padding."""
+  """ImplConfig.position_chunk_tokens: outputs, loads, MaxVio, aux loss, the balance bias update
+  and the gradients (params and input) equal the whole-batch layer; T is not a multiple of the
+  chunk and the batch has padding."""
   cfg = _cfg(moe_num_experts=8, moe_top_k=2, moe_balance=balance)
   x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 11, 16)), jnp.float32)
   mask = jnp.ones((2, 11), bool).at[1, 7:].set(False)
   whole = LatentMoE(cfg)
-  chunked = LatentMoE(dataclasses.replace(cfg, position_chunk_tokens=6))
+  chunked = LatentMoE(cfg, ImplConfig(position_chunk_tokens=6))
   variables = _random_variables(whole, 9, x, mask)
   variables["moe_state"]["bias"] = jnp.linspace(-0.2, 0.2, 8)
   shapes = nn.unbox(jax.eval_shape(chunked.init, jax.random.PRNGKey(0), x, mask))

@@ -265,18 +265,14 @@ def test_dispatch_on_cpu():
   auto = attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg)
   np.testing.assert_allclose(np.asarray(auto), np.asarray(dense_attention(q, k, v, seg)),
                              atol=1e-5)
-  auto_mosaic = attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg,
-                          implementation="auto_mosaic_bwd")
-  np.testing.assert_allclose(np.asarray(auto_mosaic), np.asarray(auto), atol=1e-6)
   if jax.default_backend() != "gpu":
-    for impl in ("tokamax", "tokamax_pallas_bwd", "pallas", "tokamax_mosaic_bwd"):
+    for impl in ("tokamax", "tokamax_mosaic_bwd"):
       with pytest.raises(ValueError, match="not usable"):
         attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation=impl)
   with pytest.raises(ValueError, match="rows without segment ids only"):
     attention(q, k, v, q_segment_ids=seg, kv_segment_ids=seg, implementation="cudnn")
-  for impl in ("pallas", "tokamax_mosaic_bwd"):
-    with pytest.raises(ValueError, match="needs segment ids"):
-      attention(q, k, v, implementation=impl)
+  with pytest.raises(ValueError, match="needs segment ids"):
+    attention(q, k, v, implementation="tokamax_mosaic_bwd")
   with pytest.raises(ValueError, match="takes no q_positions"):
     attention(q, k, v, q_positions=np.arange(16), kv_positions=np.arange(16),
               implementation="tokamax")
@@ -357,9 +353,9 @@ def test_xla_blockwise_grad_inside_scan_stacks_no_block_pairs():
 
 
 def test_auto_choices_on_a_hopper_gpu(monkeypatch):
-  """The implementations 'auto' and its synonym 'auto_mosaic_bwd' resolve to on an sm90 GPU (the
-  capability patched in): tokamax's stock backward for short packed rows, then the Mosaic GPU
-  backward; cuDNN without segment ids; XLA with positions."""
+  """The implementations 'auto' resolves to on an sm90 GPU (the capability patched in): tokamax's
+  stock backward for short packed rows, then the Mosaic GPU backward; cuDNN without segment ids;
+  XLA with positions."""
   from k3jax.ops import attention as attention_lib
   monkeypatch.setattr(attention_gpu, "compute_capability", lambda: (9, 0))
   resolve = attention_lib._resolve  # pylint: disable=protected-access
@@ -368,9 +364,8 @@ def test_auto_choices_on_a_hopper_gpu(monkeypatch):
     return (jax.ShapeDtypeStruct((2, t, 12, 192), jnp.bfloat16),
             jax.ShapeDtypeStruct((2, t, 12, 128), jnp.bfloat16))
 
-  for impl, long_rows in (("auto", "tokamax_mosaic_bwd"),
-                          ("auto_mosaic_bwd", "tokamax_mosaic_bwd")):
-    assert resolve(impl, *rows(8192), has_segments=True, has_positions=False) == long_rows
-    assert resolve(impl, *rows(4096), has_segments=True, has_positions=False) == "tokamax"
-    assert resolve(impl, *rows(8192), has_segments=False, has_positions=False) == "cudnn"
-    assert resolve(impl, *rows(8192), has_segments=True, has_positions=True) == "xla"
+  assert resolve("auto", *rows(8192), has_segments=True, has_positions=False) == \
+      "tokamax_mosaic_bwd"
+  assert resolve("auto", *rows(4096), has_segments=True, has_positions=False) == "tokamax"
+  assert resolve("auto", *rows(8192), has_segments=False, has_positions=False) == "cudnn"
+  assert resolve("auto", *rows(8192), has_segments=True, has_positions=True) == "xla"

@@ -536,7 +536,7 @@ def test_fused_gate_under_a_batch_mesh_equals_one_device():
   d = _fused_inputs(B=8)
   d["seg"] = jnp.tile(d["seg"][:1], (8, 1))
   o_one, g_one = _fused_grads(d, -5.0, fused=True, backend="pallas")
-  from k3jax import sharding
+  from k3jax.parallel import sharding
   with jax.set_mesh(sharding.make_mesh("data:8")):   # as the training step runs under a mesh
     o_mesh, g_mesh = _fused_grads(d, -5.0, fused=True, backend="pallas")
   assert error_ratio(o_mesh, o_one) <= 1e-6

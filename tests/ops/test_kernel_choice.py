@@ -18,26 +18,27 @@ def test_auto_is_pallas_on_a_gpu_only():
   assert pallas_or_xla("auto", "F") == ("pallas" if on_gpu else "xla")
   assert pallas_or_xla("pallas", "F") == "pallas"
   assert pallas_or_xla("xla", "F") == "xla"
-  with pytest.raises(ValueError, match=r"ModelConfig\.x = 'triton': expected one of \('auto', "
+  with pytest.raises(ValueError, match=r"ImplConfig\.x = 'triton': expected one of \('auto', "
                                        r"'xla', 'pallas'\)"):
-    pallas_or_xla("triton", "ModelConfig.x")
+    pallas_or_xla("triton", "ImplConfig.x")
 
 
-@pytest.mark.parametrize("field", ["moe_situ_glu", "attnres_kernel", "kda_conv_backward",
+@pytest.mark.parametrize("field", ["moe_situ_glu", "attnres_kernel", "kda_conv_kernel",
                                    "norm_kernel"])
 def test_each_setting_is_validated_and_named(field):
-  with pytest.raises(config_lib.ConfigError, match=rf"ModelConfig\.{field} = 'cuda'"):
-    dataclasses.replace(config_lib.ModelConfig(), **{field: "cuda"}).validate()
+  with pytest.raises(config_lib.ConfigError, match=rf"ImplConfig\.{field} = 'cuda'"):
+    dataclasses.replace(config_lib.ImplConfig(), **{field: "cuda"}).validate()
 
 
 def test_the_call_sites_name_their_setting():
   """A bad value that bypasses the config's validation still fails with the setting's name."""
-  with pytest.raises(ValueError, match=r"ModelConfig\.kda_conv_backward = 'cuda'"):
+  with pytest.raises(ValueError, match=r"ImplConfig\.kda_conv_kernel = 'cuda'"):
     conv.conv_silu(jnp.zeros((1, 4, 2)), jnp.zeros((4, 2)), None, jnp.float32, "cuda")
-  with pytest.raises(ValueError, match=r"ModelConfig\.norm_kernel = 'cuda'"):
+  with pytest.raises(ValueError, match=r"ImplConfig\.norm_kernel = 'cuda'"):
     common.rms_norm(jnp.zeros((2, 8)), 1e-6, kernel="cuda")
-  with pytest.raises(ValueError, match=r"ModelConfig\.attnres_kernel = 'cuda'"):
+  with pytest.raises(ValueError, match=r"ImplConfig\.attnres_kernel = 'cuda'"):
     attnres.depth_mix([jnp.zeros((2, 8))], jnp.zeros(8), None, 1e-6, kernel="cuda")
-  cfg = dataclasses.replace(config_lib.ModelConfig(), moe_situ_glu="cuda")
-  with pytest.raises(ValueError, match=r"ModelConfig\.moe_situ_glu = 'cuda'"):
-    LatentMoE(cfg).init(jax.random.key(0), jnp.zeros((1, 4, cfg.d_model)))
+  cfg = config_lib.ModelConfig()
+  impl = dataclasses.replace(config_lib.ImplConfig(), moe_situ_glu="cuda")
+  with pytest.raises(ValueError, match=r"ImplConfig\.moe_situ_glu = 'cuda'"):
+    LatentMoE(cfg, impl).init(jax.random.key(0), jnp.zeros((1, 4, cfg.d_model)))

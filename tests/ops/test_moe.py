@@ -13,10 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops import moe
-from k3jax.ops.moe import (default_ragged_dot, expert_capacity, gather_rows, routed_experts,
-                           sort_with_inverse, sorted_group_sizes, tiled_ragged_dot,
-                           tokamax_ragged_dot)
+from k3jax.ops import grouped_matmul, moe, moe_rows
+from k3jax.ops.grouped_matmul import (default_ragged_dot, takes_zero_outside, tiled_ragged_dot,
+                                     tokamax_ragged_dot)
+from k3jax.ops.moe import expert_capacity, routed_experts
+from k3jax.ops.moe_rows import gather_rows, sort_with_inverse, sorted_group_sizes
 from k3jax.ops.moe_reference import dense_routed_experts
 
 B1, B2 = 4.0, 25.0
@@ -295,7 +296,8 @@ def test_tokamax_errors_name_the_config_field():
   def unsupported(*args, implementation):
     raise NotImplementedError("Only bfloat16/float16 inputs are supported")
   with pytest.raises(ValueError, match="moe_grouped_matmul.*'mosaic'.*bfloat16"):
-    moe._call_tokamax(unsupported, jnp.zeros((4, 2)), implementation="mosaic", kernel="fwd")
+    grouped_matmul._call_tokamax(unsupported, jnp.zeros((4, 2)), implementation="mosaic",
+                                 kernel="fwd")
   with pytest.raises(ValueError, match="implementation"):
     tokamax_ragged_dot(jnp.zeros((4, 2)), jnp.zeros((1, 2, 3)), jnp.ones((1,), jnp.int32),
                        implementation="triton")
@@ -304,16 +306,16 @@ def test_tokamax_errors_name_the_config_field():
 def test_mosaic_tiles_apply_on_sm90_only(monkeypatch):
   """SM90_TILES reach tokamax's op on compute capability 9.x; elsewhere (and for a kernel whose
   entry is None or missing) tokamax chooses ('mosaic')."""
-  assert moe._mosaic_implementation("fwd") == "mosaic"  # CPU: no compute capability
-  monkeypatch.setattr(moe, "_gpu_compute_capability", lambda: 9.0)
-  monkeypatch.setattr(moe, "SM90_TILES", {"fwd": (128, 64, 256, 4), "dlhs": None})
-  (op,) = moe._mosaic_implementation("fwd")
+  assert grouped_matmul._mosaic_implementation("fwd") == "mosaic"  # CPU: no compute capability
+  monkeypatch.setattr(grouped_matmul, "_gpu_compute_capability", lambda: 9.0)
+  monkeypatch.setattr(grouped_matmul, "SM90_TILES", {"fwd": (128, 64, 256, 4), "dlhs": None})
+  (op,) = grouped_matmul._mosaic_implementation("fwd")
   cfg = op.config
   assert (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) == (128, 64, 256, 4)
   assert not cfg.persistent and cfg.split_k == 1
-  assert moe._mosaic_implementation("dlhs") == "mosaic"
-  monkeypatch.setattr(moe, "_gpu_compute_capability", lambda: 10.0)
-  assert moe._mosaic_implementation("fwd") == "mosaic"
+  assert grouped_matmul._mosaic_implementation("dlhs") == "mosaic"
+  monkeypatch.setattr(grouped_matmul, "_gpu_compute_capability", lambda: 10.0)
+  assert grouped_matmul._mosaic_implementation("fwd") == "mosaic"
 
 
 # ------------------------------------------------------------------------------------------------
@@ -395,7 +397,7 @@ def test_tokamax_rows_past_the_groups_never_reach_the_result(monkeypatch, activa
   equal the dense reference: with the Pallas activation, which zeroes those rows of h and of
   d gate_up itself (the grouped matmuls then skip their selects, forward and dlhs), and with
   XLA's, which keeps them."""
-  call_tokamax = moe._call_tokamax
+  call_tokamax = grouped_matmul._call_tokamax
 
   def unwritten_rows_nan(fn, *args, kernel, **kw):
     out = call_tokamax(fn, *args, kernel=kernel, **kw)
@@ -405,12 +407,13 @@ def test_tokamax_rows_past_the_groups_never_reach_the_result(monkeypatch, activa
     in_groups = jnp.arange(out.shape[0]) < jnp.sum(args[2])
     return jnp.where(in_groups[:, None], out, jnp.nan)
 
-  monkeypatch.setattr(moe, "_call_tokamax", unwritten_rows_nan)
-  moe._tokamax_grouped_shared.clear_cache()    # a trace cached by another test would skip the patch
+  monkeypatch.setattr(grouped_matmul, "_call_tokamax", unwritten_rows_nan)
+  # A trace cached by another test would skip the patch.
+  grouped_matmul._tokamax_grouped_shared.clear_cache()
   valid = jnp.asarray(np.arange(20) % 3 != 0)   # invalid tokens' rows sort past the groups
   _check_against_dense(_problem(11, n=20, experts=4), valid, default_ragged_dot("tokamax"),
                        activation, seed=3)
-  moe._tokamax_grouped_shared.clear_cache()    # nor may this test's traces reach another
+  grouped_matmul._tokamax_grouped_shared.clear_cache()    # nor may this test's traces reach another
 
 
 @pytest.mark.parametrize("capacity_factor", [0.0, 1.5])
@@ -453,7 +456,7 @@ def test_tokamax_grouped_matmul_is_lowered_once_per_shape():
     def f(lhs, w, gs):
       x = lhs
       for _ in range(n):
-        x = jnp.tanh(moe.tokamax_ragged_dot(x, w, gs, implementation="xla"))
+        x = jnp.tanh(tokamax_ragged_dot(x, w, gs, implementation="xla"))
       return jnp.sum(x)
     return f
   lhs, w = jnp.ones((16, 8)), jnp.ones((4, 8, 8))
@@ -472,11 +475,12 @@ def test_zero_rows_values_gradient_and_what_it_keeps():
   x = jax.random.normal(jax.random.PRNGKey(0), (6, 4))
   keep = jnp.array([True, False, True, True, False, True])
   ref = lambda x: jnp.where(keep[:, None], x, 0.0)
-  np.testing.assert_array_equal(moe.zero_rows(x, keep), ref(x))
+  np.testing.assert_array_equal(moe_rows.zero_rows(x, keep), ref(x))
   cot = jax.random.normal(jax.random.PRNGKey(1), (6, 4))
-  np.testing.assert_array_equal(jax.grad(lambda x: jnp.sum(moe.zero_rows(x, keep) * cot))(x),
-                                jax.grad(lambda x: jnp.sum(ref(x) * cot))(x))
-  np.testing.assert_array_equal(moe.zero_rows(jnp.full((6, 4), jnp.nan), keep)[1], 0.0)
+  np.testing.assert_array_equal(
+      jax.grad(lambda x: jnp.sum(moe_rows.zero_rows(x, keep) * cot))(x),
+      jax.grad(lambda x: jnp.sum(ref(x) * cot))(x))
+  np.testing.assert_array_equal(moe_rows.zero_rows(jnp.full((6, 4), jnp.nan), keep)[1], 0.0)
 
   n, latent, e, m, k = 16, 8, 4, 12, 2
   ks = jax.random.split(jax.random.PRNGKey(2), 6)
@@ -485,7 +489,7 @@ def test_zero_rows_values_gradient_and_what_it_keeps():
   w = jax.nn.softmax(jax.random.normal(ks[2], (n, k)))
   wg, wu = jax.random.normal(ks[3], (e, latent, m)), jax.random.normal(ks[4], (e, latent, m))
   wo = jax.random.normal(ks[5], (e, m, latent))
-  rd = functools.partial(moe.tokamax_ragged_dot, implementation="xla")
+  rd = functools.partial(tokamax_ragged_dot, implementation="xla")
   f = lambda z, w: routed_experts(z, idx, w, wg, wu, wo, beta1=1.0, beta2=1.0,
                                   ragged_dot_fn=rd)[0]
   kept = [a for a, _ in ad_checkpoint.saved_residuals(f, z, w)]
@@ -497,14 +501,14 @@ def test_zero_rows_values_gradient_and_what_it_keeps():
 def test_takes_zero_outside_reads_the_declaration():
   """Which grouped matmuls `grouped_situ_glu` may ask to leave the rows past the groups unwritten:
   those that declare `takes_zero_outside` (through functools.partial too), and no other."""
-  assert moe.takes_zero_outside(moe.default_ragged_dot("tokamax"))
-  assert moe.takes_zero_outside(functools.partial(moe.tokamax_ragged_dot, implementation="xla"))
-  assert not moe.takes_zero_outside(moe.default_ragged_dot("tiled"))
-  assert not moe.takes_zero_outside(jax.lax.ragged_dot)
+  assert takes_zero_outside(default_ragged_dot("tokamax"))
+  assert takes_zero_outside(functools.partial(tokamax_ragged_dot, implementation="xla"))
+  assert not takes_zero_outside(default_ragged_dot("tiled"))
+  assert not takes_zero_outside(jax.lax.ragged_dot)
 
   def hook(lhs, rhs, group_sizes, preferred_element_type=None, *, zero_outside=True):
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=preferred_element_type)
 
-  assert not moe.takes_zero_outside(hook)
+  assert not takes_zero_outside(hook)
   hook.takes_zero_outside = True
-  assert moe.takes_zero_outside(functools.partial(functools.partial(hook), zero_outside=True))
+  assert takes_zero_outside(functools.partial(functools.partial(hook), zero_outside=True))

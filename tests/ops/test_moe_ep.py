@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from k3jax import sharding
+from k3jax.parallel import sharding
 from k3jax.layers.moe import quantile_balance_update
 from k3jax.ops import moe_ep
-from k3jax.ops.moe import default_ragged_dot, routed_experts
+from k3jax.ops.grouped_matmul import default_ragged_dot
+from k3jax.ops.moe import routed_experts
 from testlib import error_ratio as _error_ratio
 
 BETAS = dict(beta1=4.0, beta2=25.0)
@@ -94,7 +95,7 @@ def test_ep_pallas_activation_on_cpu_is_refused_by_name():
   run = jax.jit(lambda *args: moe_ep.routed_experts_ep(
       *args, valid=valid, mesh=mesh, ragged_dot_fn=default_ragged_dot("ragged_dot"),
       activation="pallas", **BETAS))
-  with pytest.raises(ValueError, match="moe_situ_glu = 'pallas' on CPU"):
+  with pytest.raises(ValueError, match=r"ImplConfig\.moe_situ_glu = 'pallas' on CPU"):
     run(z, idx, w, wg, wu, wo)
 
 

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.moe import situ_glu
+from k3jax.ops.situ_glu import situ_glu
 
 # (beta1, beta2): K3's defaults and two other pairs, small enough that the saturation points below
 # are deep in the flat part of both tanh's.

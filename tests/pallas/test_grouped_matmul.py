@@ -1,5 +1,5 @@
 """pallas_kernels/grouped_matmul: the grouped weight gradient (Pallas interpreter) against per-group
-float64 products, and its place in the Mosaic path's VJP (`k3jax.ops.moe`)."""
+float64 products, and its place in the Mosaic path's VJP (`k3jax.ops.grouped_matmul`)."""
 from __future__ import annotations
 
 import functools
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops import moe
+from k3jax.ops import grouped_matmul
 from pallas_kernels.grouped_matmul import GroupedGradConfig, grouped_weight_grad
 
 # 8-row steps and 8 x 16 output tiles: groups start and end inside steps.
@@ -77,8 +77,8 @@ def test_mosaic_path_takes_its_weight_gradient_from_the_kernel(monkeypatch):
     calls.append(lhs.shape)
     return grouped_weight_grad(lhs, dout, group_sizes, out_dtype, SMALL_TILES)
 
-  monkeypatch.setattr(moe, "_mosaic_implementation", lambda kernel: "xla")
-  monkeypatch.setattr(moe, "grouped_weight_grad", kernel)
+  monkeypatch.setattr(grouped_matmul, "_mosaic_implementation", lambda kernel: "xla")
+  monkeypatch.setattr(grouped_matmul, "grouped_weight_grad", kernel)
   rng = np.random.default_rng(1)
   sizes = jnp.asarray([9, 0, 14], jnp.int32)
   lhs = jnp.asarray(rng.standard_normal((30, 8)), jnp.float32)
@@ -88,7 +88,7 @@ def test_mosaic_path_takes_its_weight_gradient_from_the_kernel(monkeypatch):
   def loss(fn, a, b):
     return jnp.sum(fn(a, b, sizes, preferred_element_type=jnp.float32) * cot)
 
-  mosaic = functools.partial(moe._tokamax_grouped, out_dtype=jnp.dtype(jnp.float32),
+  mosaic = functools.partial(grouped_matmul._tokamax_grouped, out_dtype=jnp.dtype(jnp.float32),
                              implementation="mosaic", zero_outside=True)
   got = jax.grad(lambda a, b: jnp.sum(mosaic(a, b, sizes) * cot), (0, 1))(lhs, rhs)
   want = jax.grad(lambda a, b: loss(jax.lax.ragged_dot, a, b), (0, 1))(lhs, rhs)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from k3jax import sharding
+from k3jax.parallel import sharding
 from k3jax.layers.common import rms_norm
 from pallas_kernels.rms_norm import RmsNormConfig, rms_norm_bwd
 

@@ -1,5 +1,5 @@
 """pallas_kernels/situ_glu: the SiTU-GLU kernels (Pallas interpreter) against the closed form in
-float64 and against autodiff of `k3jax.ops.moe.situ_glu`."""
+float64 and against autodiff of `k3jax.ops.situ_glu.situ_glu`."""
 from __future__ import annotations
 
 import jax
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.moe import situ_glu
+from k3jax.ops.situ_glu import situ_glu
 from pallas_kernels.situ_glu import SituGluConfig, situ_glu_fused
 
 B1, B2 = 4.0, 25.0

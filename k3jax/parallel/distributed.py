@@ -2,8 +2,8 @@
 
 k3jax adds no transport of its own. Each host (or each GPU) runs one Python process; every process
 calls `maybe_initialize()` before touching any device, after which `jax.devices()` lists the devices
-of all processes, `k3jax.sharding.make_mesh` builds one global mesh over them, and XLA inserts the
-collectives (NCCL on GPU). Every process must run the same jitted steps in the same order.
+of all processes, `k3jax.parallel.sharding.make_mesh` builds one global mesh over them, and XLA
+inserts the collectives (NCCL on GPU). Every process must run the same jitted steps in the same order.
 
 Where the settings come from, first match wins:
   1. arguments (the trainer's --coordinator_address / --num_processes / --process_id flags);

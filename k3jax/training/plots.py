@@ -83,7 +83,8 @@ LOSS_BY_POS = "val_loss_by_pos/"
 
 def loss_by_position_per_stage(eval_records: Sequence[Mapping]) -> dict[int, dict[str, float]]:
   """{stage: {bucket name '<lo>-<hi>': loss}} from the last evaluation record of each stage that has
-  the loss by position (eval records of k3jax.evaluate); empty buckets (None) are left out."""
+  the loss by position (eval records of k3jax.training.evaluation); empty buckets (None) are left
+  out."""
   out: dict[int, dict[str, float]] = {}
   for r in eval_records:
     by_pos = {k[len(LOSS_BY_POS):]: v for k, v in r.items()

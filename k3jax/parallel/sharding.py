@@ -19,7 +19,7 @@ Logical names (declared by the layers, `k3jax/layers/common.py`) are mapped by `
                       experts' 'latent' -> 'data' (ZeRO-3 style: XLA all-gathers weights before
                       use).
 
-Typical use (see `k3jax/train.py`):
+Typical use (see `k3jax/training/loop.py`):
 
     mesh = make_mesh(cfg.mesh.axes)
     rules = logical_axis_rules(fsdp=False)
@@ -42,6 +42,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+from k3jax import config as config_lib
 
 MESH_AXES = ("data", "expert")
 BATCH_AXES = ("data", "expert")
@@ -152,6 +154,38 @@ def make_mesh(spec: str = "", devices: Optional[Sequence[jax.Device]] = None) ->
     # devices (tests, restoring onto fewer devices) gets the plain row-major layout instead.
     return Mesh(np.asarray(devices, dtype=object).reshape(shape), MESH_AXES,
                 axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def make_run_mesh(cfg: config_lib.Config):
+  """The run's device mesh, or None for a single-device run (MeshConfig.axes empty).
+
+  Raises ConfigError when the mesh does not fit the devices or a stage's batch does not split over
+  the batch axes (data x expert).
+  """
+  if not cfg.mesh.axes:
+    return None
+  try:
+    mesh = make_mesh(cfg.mesh.axes)
+  except ValueError as e:
+    raise config_lib.ConfigError(f"MeshConfig.axes / --mesh: {e}") from e
+  shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
+  for i, (seq_len, _) in enumerate(cfg.stages.stages):
+    if cfg.stages.batch_size(i) % shards:
+      raise config_lib.ConfigError(
+          f"StagesConfig.stages: stage {i} (seq_len {seq_len}) has batch "
+          f"{cfg.stages.batch_size(i)}, which the mesh {cfg.mesh.axes!r} cannot split over its "
+          f"{shards} batch shards; raise StagesConfig.tokens_per_step or use fewer devices")
+    micro_rows = cfg.stages.microbatch_rows(seq_len, cfg.stages.batch_size(i))
+    if micro_rows % shards:
+      raise config_lib.ConfigError(
+          f"StagesConfig.microbatch_tokens = {cfg.stages.microbatch_tokens}: stage {i} (seq_len "
+          f"{seq_len}) would run micro-batches of {micro_rows} rows, which the mesh "
+          f"{cfg.mesh.axes!r} cannot split over its {shards} batch shards; raise it")
+  if cfg.model.moe_num_experts % mesh.shape["expert"]:
+    raise config_lib.ConfigError(
+        f"ModelConfig.moe_num_experts = {cfg.model.moe_num_experts} must be divisible by the mesh's "
+        f"expert axis ({mesh.shape['expert']})")
+  return mesh
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:

@@ -48,7 +48,7 @@ Not counted: elementwise work (activations, gates' sigmoids, SiTU, residual adds
 exponentials and the attention's masking, the KDA gate's softplus and the L2 norms of q and k,
 the loss, and the optimizer update. Nor is anything an implementation computes beyond the count:
 padding rows of grouped matmuls, masked-out attention blocks, recomputation under remat, the
-masked block slots that the scanned decoder's DepthMixes run over (ModelConfig.scan_layers).
+masked block slots that the scanned decoder's DepthMixes run over (ImplConfig.scan_layers).
 """
 
 from __future__ import annotations
@@ -84,8 +84,8 @@ def kda_chunk_flops(batch: int, seq_len: int, heads: int, head_dim: int, chunk_s
 
 def attnres_mix_sources(cfg: ModelConfig) -> list[int]:
   """The number of sources of every DepthMix of the decoder, in call order (two per layer, then
-  the final mix); empty when cfg.attnres is off. Mirrors k3jax.model.DecoderLayer's wiring: at a
-  block boundary the partial sum is frozen and the next attention mix sees the frozen blocks only.
+  the final mix); empty when cfg.attnres is off. Mirrors k3jax.model.decoder.DecoderLayer's
+  wiring: at a block boundary the partial sum is frozen and the next attention mix sees the frozen blocks only.
   """
   if not cfg.attnres:
     return []

@@ -1,31 +1,21 @@
-"""Gradient accumulation over the micro-batches of a training step (StagesConfig.microbatch_tokens).
+"""A training step run as a host loop of jitted programs (RuntimeConfig.microbatch_loop = 'host').
 
-A step of B rows with n micro-batches (n = B // `StagesConfig.microbatch_rows`):
-  * micro-batch i holds rows i, i + n, i + 2n, ..., so that with the batch sharded over devices in
-    contiguous blocks every micro-batch spreads over all of them (and stays where it is);
-  * each micro-batch's loss is weighted by its share w_i of the step's loss-mask tokens: the
-    cross-entropy and its gradient are exactly those of the whole batch at once; aux losses are
-    weighted the same way;
-  * the MoE balance state is threaded through: micro-batch i routes with the biases that
-    micro-batch i-1 wrote (QB then updates n times per step, each on its slice);
-  * 'moe_stats' loads and drop counts are summed and MaxVio recomputed from the summed loads;
-    QK-Clip's per-head max logits are the max over micro-batches.
+A step of n micro-batches runs as n + 2 program calls: `train_step_prepare` (slices the
+micro-batches, their weights and zero accumulators, and casts once the parameters that the loss
+reads only as a narrower copy, `k3jax.runtime.param_casts`), n calls of `train_step_microbatch`
+(one micro-batch's forward and backward pass added to the accumulators, which it donates), then
+`train_step_update` (optimizer update, QK-Clip, balance state, metrics; it donates the state). A
+step of one micro-batch runs as two programs, `train_step_grads` (the loss and its gradients) and
+`train_step_update`, compiled at once.
 
-Two ways to run them (StagesConfig.microbatch_loop):
-  'scan'  `accumulate_scan`: a `lax.scan` inside the step's single program.
-  'host'  `HostLoopStep`: a Python loop over jitted programs: `train_step_prepare` (slices the
-          micro-batches, their weights and zero accumulators, and casts once the parameters that
-          the loss reads only as a narrower copy, `k3jax.param_casts`), n calls of
-          `train_step_microbatch` (one micro-batch's forward and backward pass added to the
-          accumulators, which it donates), then `train_step_update` (optimizer update, QK-Clip,
-          balance state, metrics; it donates the state). The decoder's `nn.scan` then sits at the
-          top level of a program: inside the 'scan' loop body XLA copies the zero initialisations
-          of its stacked saved activations and parameter gradients once per micro-batch (issue
-          17). A step of one micro-batch runs as two programs, `train_step_grads` (the loss and
-          its gradients) and `train_step_update`, compiled at once: XLA's compile time grows
-          faster than a program's size, so the pair compiles faster than the one step (start-up).
-Both share the per-micro-batch arithmetic (`add_microbatch`, `finish`), so they agree up to the
-rounding of XLA's different fusions.
+Why programs and not one `lax.scan` over the micro-batches: the decoder's `nn.scan` then sits at
+the top level of a program, where XLA turns the zero initialisations of its stacked saved
+activations and parameter gradients into fills; inside a scan's body it copied them once per
+micro-batch. And XLA's compile time grows faster than a program's size, so the programs, compiled
+at once on separate threads, start faster than one step (docs/startup.md).
+
+The arithmetic is the training step's own (`k3jax.training.accumulate`), passed in as
+`accumulate`, so the host loop gives the 'scan' loop's results up to the rounding of XLA's fusions.
 """
 
 from __future__ import annotations
@@ -36,132 +26,19 @@ from typing import Any, Callable
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 
-from k3jax import kernel_prewarm
-from k3jax import lowered_cache
-from k3jax import param_casts
-from k3jax import sharding as sharding_lib
-from k3jax.layers import moe as moe_layers
+from k3jax.parallel import sharding as sharding_lib
+from k3jax.runtime import kernel_prewarm
+from k3jax.runtime import lowered_cache
+from k3jax.runtime import param_casts
 
 PyTree = Any
-# The collection in which MLA layers sow per-head max attention logits for QK-Clip: leaves named
-# 'max_logits', shape [mla_num_heads] fp32, at the MLA module's path (e.g. layer_3/mla/max_logits).
-QK_STATS_COLLECTION = "attn_stats"
 # loss_fn(params, moe_state, batch) -> (total, (ce, aux, mutated collections)).
 LossFn = Callable[[PyTree, PyTree, dict], tuple]
 
 
-# ------------------------------------------------------------------------------------------------
-# The arithmetic shared by both loops
-# ------------------------------------------------------------------------------------------------
-
-def split(batch: dict, num_micro: int) -> dict:
-  """[B, ...] arrays -> [num_micro, B // num_micro, ...]; micro-batch i = rows i, i + n, ..."""
-  def one(x):
-    x = x.reshape((x.shape[0] // num_micro, num_micro) + x.shape[1:])
-    return jnp.swapaxes(x, 0, 1)
-  return jax.tree.map(one, batch)
-
-
-def token_weights(micro: dict) -> jax.Array:
-  """[n] fp32: each micro-batch's share of the step's loss-mask tokens (`split`'s output)."""
-  weights = jnp.sum(micro["loss_mask"].astype(jnp.float32), axis=(1, 2))
-  return weights / jnp.maximum(jnp.sum(weights), 1.0)
-
-
-def zero_accumulators(loss_fn: LossFn, params: PyTree, moe_state: PyTree, micro_batch: dict,
-                      mutated_shape: PyTree = None) -> dict:
-  """The running sums before the first micro-batch: {'grads': fp32 zeros like params, 'total',
-  'ce', 'aux': fp32 scalars 0, 'stats': zeros like the 'moe_stats' collection, 'qk': -inf like
-  the QK_STATS_COLLECTION one} (the collections' shapes: `mutated_shape`, the mutated
-  collections' shapes of `loss_fn` when the caller traced it already, else an abstract trace)."""
-  if mutated_shape is None:
-    _, (_, _, mutated_shape) = jax.eval_shape(lambda: loss_fn(params, moe_state, micro_batch))
-  zeros_of = lambda tree, fill: jax.tree.map(lambda a: jnp.full(a.shape, fill, a.dtype), tree)
-  f32_zero = jnp.zeros([], jnp.float32)
-  return {"grads": jax.tree.map(jnp.zeros_like, params), "total": f32_zero, "ce": f32_zero,
-          "aux": f32_zero, "stats": zeros_of(mutated_shape.get("moe_stats", {}), 0),
-          "qk": zeros_of(mutated_shape.get(QK_STATS_COLLECTION, {}), -jnp.inf)}
-
-
-def add_microbatch(loss_fn: LossFn, params: PyTree, moe_state: PyTree, micro_batch: dict,
-                   weight: jax.Array, acc: dict) -> tuple[dict, PyTree]:
-  """One micro-batch's forward and backward pass added to `acc` (`zero_accumulators`' layout)
-  with weight `weight` (fp32 scalar); returns (acc, the balance state it wrote, or `moe_state`
-  when the model wrote none)."""
-  (total, (ce, aux, mutated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-      params, moe_state, micro_batch)
-  w = weight
-  acc = {"grads": jax.tree.map(lambda a, g: a + w * g.astype(a.dtype), acc["grads"], grads),
-         "total": acc["total"] + w * total, "ce": acc["ce"] + w * ce,
-         "aux": acc["aux"] + w * aux,
-         "stats": jax.tree.map(lambda a, b: a + b.astype(a.dtype), acc["stats"],
-                               mutated.get("moe_stats", {})),
-         "qk": jax.tree.map(jnp.maximum, acc["qk"], mutated.get(QK_STATS_COLLECTION, {}))}
-  return acc, mutated.get("moe_state", moe_state)
-
-
-def finish(acc: dict, moe_state: PyTree, num_micro: int) -> tuple:
-  """The accumulators after the last micro-batch -> `loss_fn`'s value-and-grad contract for the
-  whole step: ((total, (ce, aux, mutated)), grads)."""
-  mutated = {"moe_state": moe_state, "moe_stats": combine_stats(acc["stats"], num_micro)}
-  if acc["qk"]:
-    mutated[QK_STATS_COLLECTION] = acc["qk"]
-  return (acc["total"], (acc["ce"], acc["aux"], mutated)), acc["grads"]
-
-
-def combine_stats(summed: PyTree, num_micro: int) -> PyTree:
-  """Per-layer stats summed over micro-batches -> those of the whole step: loads and drop counts
-  stay sums, aux losses become means, MaxVio is recomputed from the summed load."""
-  def fix(layer: dict) -> dict:
-    out = dict(layer)
-    if "aux_loss" in out:
-      out["aux_loss"] = out["aux_loss"] / num_micro
-    if "load" in out and "max_vio" in out:
-      # A scanned layer's load is [G, E] (one row per group): MaxVio of each row.
-      max_vio = jnp.vectorize(moe_layers.max_violation, signature="(e)->()")
-      out["max_vio"] = max_vio(out["load"]).astype(layer["max_vio"].dtype)
-    return out
-
-  def walk(tree):
-    if isinstance(tree, dict) or hasattr(tree, "items"):
-      if "load" in tree or "max_vio" in tree or "aux_loss" in tree:
-        return fix(tree)
-      return {k: walk(v) for k, v in tree.items()}
-    return tree
-
-  return walk(summed)
-
-
-# ------------------------------------------------------------------------------------------------
-# 'scan': one program
-# ------------------------------------------------------------------------------------------------
-
-def accumulate_scan(loss_fn: LossFn, params: PyTree, moe_state: PyTree, batch: dict,
-                    num_micro: int) -> tuple:
-  """Gradient accumulation over `num_micro` micro-batches of `batch` (module docstring) in a
-  `lax.scan` (the activations of one micro-batch are alive at a time), with `loss_fn`'s
-  value-and-grad contract ((total, (ce, aux, mutated)), grads)."""
-  micro = split(batch, num_micro)
-  weights = token_weights(micro)
-  acc = zero_accumulators(loss_fn, params, moe_state, jax.tree.map(lambda x: x[0], micro))
-
-  def body(carry, xs):
-    acc, moe = carry
-    mb, w = xs
-    return add_microbatch(loss_fn, params, moe, mb, w, acc), None
-
-  (acc, new_moe), _ = jax.lax.scan(body, (acc, moe_state), (micro, weights))
-  return finish(acc, new_moe, num_micro)
-
-
-# ------------------------------------------------------------------------------------------------
-# 'host': a loop of programs
-# ------------------------------------------------------------------------------------------------
-
 # apply_update(state, total, ce, aux, mutated, grads) -> (state, metrics): everything a training
-# step does once it has the step's loss and gradients (`k3jax.train_step.make_train_step`).
+# step does once it has the step's loss and gradients (`k3jax.training.step.make_train_step`).
 ApplyUpdate = Callable[..., tuple]
 
 
@@ -232,6 +109,8 @@ class HostLoopStep:
 
   loss_fn: (params, moe_state, micro-batch) -> (total, (ce, aux, mutated)).
   apply_update: `ApplyUpdate`.
+  accumulate: the accumulation arithmetic, `k3jax.training.accumulate` (its split,
+    token_weights, zero_accumulators, add_microbatch, finish and one_microbatch).
   microbatch_rows: (seq_len, batch rows) -> rows per micro-batch (`StagesConfig.microbatch_rows`).
   state_shardings / batch_shardings / cache_dir / description: as for `make_train_step` and
     `lowered_cache.cached_jit` (the programs' names and the micro-batch count are added).
@@ -245,10 +124,11 @@ class HostLoopStep:
   each program's name to its `jax.stages.Compiled` (memory analysis per program).
   """
 
-  def __init__(self, loss_fn: LossFn, apply_update: ApplyUpdate,
+  def __init__(self, loss_fn: LossFn, apply_update: ApplyUpdate, accumulate: Any,
                microbatch_rows: Callable[[int, int], int], *, state_shardings: Any,
                batch_shardings: Any, cache_dir: str, description: str, cast_once: bool = True):
     self._loss_fn = loss_fn
+    self._acc = accumulate
     self._apply_update = apply_update
     self._microbatch_rows = microbatch_rows
     self._state_sh = state_shardings
@@ -268,7 +148,7 @@ class HostLoopStep:
     # The weights and the small accumulators (scalar sums, MoE load statistics, QK-Clip maxima)
     # are replicated over the mesh, named in the programs' shardings: left unspecified, the
     # micro-batch program lowered ahead of time from prepare's abstract outputs (`lower`,
-    # StagesConfig.precompile) read them with other shardings than the arrays prepare returns
+    # RuntimeConfig.precompile) read them with other shardings than the arrays prepare returns
     # at run time, so on a mesh the loop compiled that program again.
     self._rep = _replicated(st)
     rep = self._rep
@@ -294,7 +174,7 @@ class HostLoopStep:
     key = (num_micro, signature(params), signature(moe_state), signature(batch))
     if key not in self._loss_info:
       abstract = lambda tree: jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
-      micro_batch = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], split(b, num_micro)),
+      micro_batch = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], self._acc.split(b, num_micro)),
                                    abstract(batch))
       args = (abstract(params), abstract(moe_state), micro_batch)
       dtypes, out_shape = param_casts.single_cast_dtypes(self._loss_fn, *args)
@@ -313,11 +193,11 @@ class HostLoopStep:
   def _microbatch_for(self, dtypes: tuple) -> Callable:
     """The micro-batch program for parameters with these cast copies (built once per set)."""
     if dtypes not in self._microbatch_programs:
-      loss_fn = self._loss_fn
+      loss_fn, acc_lib = self._loss_fn, self._acc
 
       def train_step_microbatch(params, copies, moe_state, micro_batch, weight, acc):
-        return add_microbatch(loss_fn, param_casts.with_copies(params, copies), moe_state,
-                              micro_batch, weight, acc)
+        return acc_lib.add_microbatch(loss_fn, param_casts.with_copies(params, copies),
+                                      moe_state, micro_batch, weight, acc)
 
       rep = self._rep
       self._microbatch_programs[dtypes] = self._jit(
@@ -333,13 +213,14 @@ class HostLoopStep:
     dtypes, mutated_shape = info
     key = (num_micro, dtypes)
     if key not in self._programs:
-      loss_fn = self._loss_fn
+      loss_fn, acc_lib = self._loss_fn, self._acc
 
       def train_step_prepare(params, moe_state, batch):
-        micro = split(batch, num_micro)
-        weights = token_weights(micro)
+        micro = acc_lib.split(batch, num_micro)
+        weights = acc_lib.token_weights(micro)
         micro_batches = tuple(jax.tree.map(lambda x: x[i], micro) for i in range(num_micro))
-        acc = zero_accumulators(loss_fn, params, moe_state, micro_batches[0], mutated_shape)
+        acc = acc_lib.zero_accumulators(loss_fn, params, moe_state, micro_batches[0],
+                                        mutated_shape)
         return (micro_batches, tuple(weights[i] for i in range(num_micro)), acc,
                 param_casts.narrow_copies(params, list(dtypes)))
 
@@ -356,10 +237,10 @@ class HostLoopStep:
     """The update program for steps of `num_micro` micro-batches: `finish`, then `apply_update`
     (built once per count)."""
     if num_micro not in self._update_programs:
-      apply_update = self._apply_update
+      apply_update, acc_lib = self._apply_update, self._acc
 
       def train_step_update(state, old_moe_state, acc, moe_state):
-        (total, (ce, aux, mutated)), grads = finish(acc, moe_state, num_micro)
+        (total, (ce, aux, mutated)), grads = acc_lib.finish(acc, moe_state, num_micro)
         return apply_update(state.replace(moe_state=old_moe_state), total, ce, aux, mutated,
                             grads)
 
@@ -377,15 +258,10 @@ class HostLoopStep:
     here the one micro-batch's own values: no zeros to add to) and the balance state; the update
     is the host loop's for one micro-batch."""
     if self._grads_program is None:
-      loss_fn = self._loss_fn
+      loss_fn, acc_lib = self._loss_fn, self._acc
 
       def train_step_grads(params, moe_state, batch):
-        (total, (ce, aux, mutated)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, moe_state, batch)
-        acc = {"grads": grads, "total": total, "ce": ce, "aux": aux,
-               "stats": mutated.get("moe_stats", {}),
-               "qk": mutated.get(QK_STATS_COLLECTION, {})}
-        return acc, mutated.get("moe_state", moe_state)
+        return acc_lib.one_microbatch(loss_fn, params, moe_state, batch)
 
       self._grads_program = self._jit(
           train_step_grads, donate=(), extra=" microbatch_loop='host' num_micro=1",

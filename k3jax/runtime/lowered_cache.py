@@ -1,7 +1,7 @@
 """A disk cache of *lowered* programs, so that a warm launch neither traces nor lowers the model.
 
-JAX's persistent compilation cache (`k3jax.compiler.enable_compilation_cache`) is keyed by the
-lowered module, so every launch still traces the training step to a jaxpr and lowers it to
+JAX's persistent compilation cache (`compiler.enable_compilation_cache`) is keyed by the lowered
+module, so every launch still traces the training step to a jaxpr and lowers it to
 StableHLO before it can look the executable up: for small.gin on an H200 that is ~26 s per launch,
 most of it the Python lowering of the Pallas/Triton and tokamax Mosaic GPU kernels. `cached_jit`
 keeps that work on disk through `jax.export`:
@@ -68,7 +68,7 @@ import jax
 import jax.numpy as jnp
 from jax._src import config as jax_config  # trace_context(): the flags that change a trace
 
-from k3jax import compiler
+from k3jax.runtime import compiler
 
 _log = logging.getLogger(__name__)
 

@@ -40,6 +40,8 @@ from orbax.checkpoint import checkpoint_managers as policies
 
 from k3jax import config as config_lib
 from k3jax.config import CheckpointConfig
+from k3jax.model import to_layout
+from k3jax.training import run_dir
 
 PyTree = Any
 ITEMS = ("model", "train", "meta")
@@ -108,21 +110,6 @@ def tree_differences(stored: dict, target: dict) -> list[str]:
     elif stored[path] != target[path]:
       diffs.append(f"{path}: stored {fmt(stored[path])}, expected {fmt(target[path])}")
   return diffs
-
-
-def config_differences(old_gin: str, new_gin: str) -> list[str]:
-  """'Configurable.field: old -> new' for every binding that differs between two config.gin texts
-  (as written by k3jax.train.config_to_gin: one 'Name.field = value' per line)."""
-  def bindings(text):
-    out = {}
-    for line in text.splitlines():
-      if "=" in line and not line.lstrip().startswith("#"):
-        name, value = line.split("=", 1)
-        out[name.strip()] = value.strip()
-    return out
-  old, new = bindings(old_gin), bindings(new_gin)
-  return [f"{name}: {old.get(name, '(unset)')} -> {new.get(name, '(unset)')}"
-          for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
 
 
 def _is_out_of_memory(error: BaseException) -> bool:
@@ -372,22 +359,18 @@ def to_host(tree: PyTree) -> PyTree:
 
 def restore_run(workdir: str, step: Optional[int] = None, log: Callable[[str], None] = print
                 ) -> tuple[config_lib.Config, PyTree, PyTree, dict]:
-  """(config, params, moe_state, meta) of `step` (default: the newest readable) of a k3jax.train
-  run directory.
+  """(config, params, moe_state, meta) of `step` (default: the newest readable) of a training run
+  directory, the trees in the layout of the config's decoder (ImplConfig.scan_layers).
 
   Reads DIR/config.gin and only what inference needs from the checkpoint (no optimizer state).
   """
-  gin_path = os.path.join(workdir, "config.gin")
-  if not os.path.isfile(gin_path):
-    raise FileNotFoundError(f"--workdir={workdir!r} has no config.gin (not a k3jax.train run?)")
-  cfg = config_lib.from_gin([gin_path])
+  cfg = run_dir.read_config(workdir)
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint, read_only=True)
   try:
     params, moe_state, meta = ckpt.restore_model(step, log=log)
   finally:
     ckpt.close()
-  # Runs saved before the decoder became a scan hold per-layer trees; a config may have changed
-  # scan_layers since (identity when the layouts agree).
-  from k3jax.model import to_layout  # pylint: disable=import-outside-toplevel
-  params, moe_state = (to_layout(t, cfg.model) for t in (params, moe_state))
+  # A run's config may have changed scan_layers since its checkpoints were written (identity
+  # when the layouts agree).
+  params, moe_state = (to_layout(t, cfg.model, cfg.impl.scan_layers) for t in (params, moe_state))
   return cfg, params, moe_state, meta

@@ -1,5 +1,5 @@
 """Which parameters a loss reads only as a narrower copy, so a step of many micro-batches casts them
-once (`k3jax.microbatch.HostLoopStep`) instead of once per micro-batch.
+once (`k3jax.runtime.host_loop.HostLoopStep`) instead of once per micro-batch.
 
 A bf16 model keeps fp32 parameters and casts most of them to bf16 where it uses them; with the
 micro-batches as a host loop of programs, every micro-batch's program cast all of them again

@@ -1,4 +1,4 @@
-"""A run's programs compiled ahead of their use, in background threads (`StagesConfig.precompile`).
+"""A run's programs compiled ahead of their use, in background threads (`RuntimeConfig.precompile`).
 
 A curriculum compiles one training step per stage and one validation program per stage length.
 On an H200 each took ~60-130 s to compile alone (small.gin, RESULTS.md runs 10-12), each when
@@ -35,8 +35,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
-from k3jax import kernel_prewarm
-from k3jax import sharding as sharding_lib
+from k3jax.runtime import kernel_prewarm
+from k3jax.parallel import sharding as sharding_lib
 
 # What a program's name says in messages, e.g. "train step of stage 3 (1048576 tokens)".
 Describe = str
@@ -215,20 +215,20 @@ class Precompiler:
 
 
 def start_run_programs(cfg, first_stage: int, state, step_of_stage: Callable, evaluator,
-                       mesh=None, memory_advice: Optional[Callable[[int], str]] = None
-                       ) -> Precompiler:
+                       mesh=None, memory_advice: Optional[Callable[[int], str]] = None,
+                       workers: int = 2) -> Precompiler:
   """A `Precompiler` working on a run's programs from `first_stage` on, in the order the loop
   needs them: each stage's training step, then the validation program at the stage's end (one
   per distinct length; not with a mesh, where the evaluation's arguments are placed by the call).
 
   state: the placed state, or its ShapeDtypeStructs with the shardings it will have
-  (`train_step.placed_train_state_shapes`): the steps' arguments. step_of_stage:
+  (`k3jax.training.state.placed_train_state_shapes`): the steps' arguments. step_of_stage:
   stage -> its training step (called here, in the calling thread). memory_advice: stage -> the
-  settings that lower its memory.
+  settings that lower its memory. workers: compile threads (RuntimeConfig.precompile_workers).
   """
   scfg = cfg.stages
   names = {}
-  precompiler = Precompiler(scfg.precompile_workers,
+  precompiler = Precompiler(workers,
                             None if memory_advice is None else
                             lambda name: memory_advice(names[name]))
   state_shapes = placed_shapes(state)

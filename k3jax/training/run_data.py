@@ -17,7 +17,6 @@ from k3jax.data import packing
 from k3jax.data import synthetic
 from k3jax.data.corpus import load_corpus
 from k3jax.data.tokenizers import make_tokenizer
-from k3jax.evaluate import bytes_per_token
 
 # Rows drawn per MQAR validation batch come from rng streams disjoint from the training steps'.
 _SYNTHETIC_VALIDATION_OFFSET = 1 << 40
@@ -84,6 +83,17 @@ def make_data(cfg: config_lib.Config) -> Data:
   _check_vocab(cfg, corpus.tokenizer)
   filler = corpus.valid_tokens if corpus.valid_tokens.size else None
   return Data(train_iterator, validation_batches, corpus.tokenizer, filler, bytes_per_token(corpus))
+
+
+def bytes_per_token(corpus) -> float:
+  """Average UTF-8 bytes per (non-BOS) token of the validation stream; 1 for the byte tokenizer."""
+  tok = corpus.tokenizer
+  if type(tok).__name__ == "ByteTokenizer":
+    return 1.0
+  ids = np.asarray(corpus.valid_tokens)
+  ids = ids[ids != tok.bos_id]
+  n_bytes = len(tok.decode(ids).encode("utf-8"))
+  return n_bytes / max(ids.size, 1)
 
 
 def _check_vocab(cfg: config_lib.Config, tokenizer) -> None:

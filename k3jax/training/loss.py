@@ -6,7 +6,8 @@ chunk of positions at a time (`k3jax.ops.chunking.map_position_chunks`: a `lax.m
 under `jax.checkpoint`, so the backward pass recomputes a chunk's logits instead of keeping them).
 It takes what `K3Model(..., return_hidden=True)` returns. `chunked_loss_by_position` is the same
 computation with the sums split by each token's position inside its document (the evaluation's
-loss by position, `k3jax.evaluate`).
+loss by position, `k3jax.training.evaluation`). `token_cross_entropy` is the plain computation from
+the logits.
 """
 
 from __future__ import annotations
@@ -18,10 +19,21 @@ import optax
 from k3jax.ops.chunking import map_position_chunks
 
 
+def token_cross_entropy(logits: jax.Array, targets: jax.Array, loss_mask: jax.Array
+                        ) -> tuple[jax.Array, jax.Array]:
+  """(sum of masked token cross-entropies, sum of the mask), both fp32 scalars.
+
+  logits [B,T,V] (cast to fp32), targets [B,T] int32, loss_mask [B,T] float32.
+  """
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), targets)
+  mask = loss_mask.astype(jnp.float32)
+  return jnp.sum(ce * mask), jnp.sum(mask)
+
+
 def chunked_cross_entropy(h: jax.Array, head: jax.Array, targets: jax.Array, loss_mask: jax.Array,
                           chunk_tokens: int) -> tuple[jax.Array, jax.Array]:
   """(sum of masked token cross-entropies, sum of the mask), fp32 scalars, as
-  `k3jax.evaluate.token_cross_entropy` gives them from the logits h @ head.
+  `token_cross_entropy` gives them from the logits h @ head.
 
   Args:
     h: [B, T, d] final normed hidden states; the head matmul runs in h.dtype with fp32 output, as

@@ -1,4 +1,5 @@
-"""Run metrics: JSON lines in `workdir/metrics.jsonl`, TensorBoard events in `workdir/tb`, a tqdm bar.
+"""Run metrics: JSON lines in `workdir/metrics.jsonl`, TensorBoard events in `workdir/tb`, a tqdm
+bar.
 
 Every record is one flat JSON object with at least 'step' and a 'kind' ('train' or 'eval');
 scalars go to TensorBoard under `<kind>/<name>`. On resume, `MetricsWriter(..., resume_step=s)`
@@ -33,7 +34,7 @@ def mfu(flops_per_token: float, tokens_per_s: float, peak_flops_total: float) ->
   """Model FLOP utilisation: flops_per_token * tokens/s / peak FLOP/s.
 
   flops_per_token: the training FLOPs of one token at the current row length,
-  `k3jax.flops.flops_per_token(cfg, seq_len)` (forward + backward, attention included).
+  `k3jax.model.flops_per_token(cfg, seq_len)` (forward + backward, attention included).
   peak_flops_total: the peak FLOP/s of all devices the tokens ran on.
   """
   for name, value in (("flops_per_token", flops_per_token), ("peak_flops_total", peak_flops_total)):
@@ -81,8 +82,8 @@ class MetricsWriter:
     self._tb = None
     if tensorboard:
       # Imported here, not with the module: tensorboardX imports torch where it is installed
-      # (3.2 s of the GPU image's 5.2 s `import k3jax.train`, RESULTS.md run 20), and the CLI
-      # makes its writer while the first step compiles in the background.
+      # (3.2 s of the GPU image's 5.2 s import of the training loop, RESULTS.md run 20), and the
+      # CLI makes its writer while the first step compiles in the background.
       from tensorboardX import SummaryWriter  # pylint: disable=import-outside-toplevel
       self._tb = SummaryWriter(os.path.join(workdir, "tb"))
 
