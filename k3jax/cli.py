@@ -9,12 +9,14 @@ generate.py). Every command starts the same way (`start`): extra arguments are r
 INFO logging is quietened, the GPU allocator's share is set (--device_memory_fraction) before
 anything touches a device, and JAX's persistent compilation cache is turned on
 (--compilation_cache_dir). Every command ends the same way (`finish`): exit code 0, 2 for a bad
-setting or input (one line on stderr naming it), 1 for a failed run, 128 + N after signal N.
+setting or input (one line on stderr naming it), 1 for a failed run, 3 when the filesystem
+refused a write (no space left, no permission: one line naming the path), 128 + N after signal N.
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 import traceback
 from typing import Callable, NoReturn, Sequence
@@ -32,6 +34,7 @@ SHARED_FLAG_MODULES = (sys.modules[__name__], compiler, device_memory)
 # Exit codes.
 USAGE_ERROR = 2
 RUN_FAILED = 1
+WRITE_REFUSED = 3
 
 
 def define_flags() -> None:
@@ -75,11 +78,13 @@ def config_from_flags(gin_files: Sequence[str], gin_bindings: Sequence[str], mes
   return config_lib.from_gin(gin_files, bindings)
 
 
-def finish(body: Callable[[], int], usage_errors: tuple = (), failures: tuple = ()) -> NoReturn:
+def finish(body: Callable[[], int], usage_errors: tuple = (), failures: tuple = (),
+           write_errors: tuple = ()) -> NoReturn:
   """Runs the command's `body` and exits with its code; `usage_errors` (and ConfigError) exit
-  with USAGE_ERROR and `failures` with RUN_FAILED, each as one line on stderr. Any other error
-  is raised as a traceback, or printed and exited with RUN_FAILED while a background compile is
-  inside XLA (the interpreter must not be finalised under it: `precompile.exit_process`)."""
+  with USAGE_ERROR, `failures` with RUN_FAILED and `write_errors` (the filesystem refused a
+  write) with WRITE_REFUSED, each as one line on stderr. Any other error is raised as a
+  traceback, or printed and exited with RUN_FAILED while a background compile is inside XLA (the
+  interpreter must not be finalised under it: `precompile.exit_process`)."""
   try:
     code = body()
   except (config_lib.ConfigError,) + tuple(usage_errors) as e:
@@ -88,6 +93,13 @@ def finish(body: Callable[[], int], usage_errors: tuple = (), failures: tuple = 
   except tuple(failures) as e:
     print(f"error: {e}", file=sys.stderr)
     precompile.exit_process(RUN_FAILED)
+  except tuple(write_errors) as e:
+    print(f"error: {e}", file=sys.stderr)
+    # At once: orbax's and TensorBoard's threads would report the same refused writes again
+    # while the interpreter shuts down.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(WRITE_REFUSED)
   except Exception:  # pylint: disable=broad-except
     if not precompile.background_work_running():
       raise

@@ -468,7 +468,9 @@ class EvalConfig:
   # would cost more than the stage's training steps and say little about a small model.
   passkey_max_len: int = 65536
   # Validation loss by position inside the document: buckets [e_i, e_{i+1}), the last unbounded.
-  position_buckets: tuple = (0, 1024, 8192, 65536, 262144)
+  # (): derived from StagesConfig.stages (`position_bucket_edges`), so that the buckets follow the
+  # run's lengths.
+  position_buckets: tuple = ()
 
   def validate(self) -> None:
     _check(self.every_steps >= 0, "EvalConfig.every_steps", "an integer >= 0", self.every_steps)
@@ -479,11 +481,31 @@ class EvalConfig:
            and self.passkey_max_len > 0, "EvalConfig.passkey_max_len", "a positive integer",
            self.passkey_max_len)
     edges = self.position_buckets
-    _check(isinstance(edges, tuple) and len(edges) > 0
+    _check(isinstance(edges, tuple)
            and all(isinstance(e, int) and not isinstance(e, bool) for e in edges)
-           and edges[0] == 0 and all(a < b for a, b in zip(edges, edges[1:])),
-           "EvalConfig.position_buckets", "a tuple of strictly increasing ints starting at 0, "
-           "e.g. (0, 1024, 8192)", edges)
+           and (not edges or edges[0] == 0) and all(a < b for a, b in zip(edges, edges[1:])),
+           "EvalConfig.position_buckets", "() (derived from StagesConfig.stages) or a tuple of "
+           "strictly increasing ints starting at 0, e.g. (0, 1024, 8192)", edges)
+
+  def position_bucket_edges(self, stages) -> tuple[int, ...]:
+    """The edges of the loss-by-position buckets for a run of `stages` ((seq_len, steps), ...,
+    as StagesConfig.stages): `position_buckets` when set; otherwise 0 and every distinct stage
+    length but the longest, so that each stage's evaluation adds the bucket of the positions only
+    its length reaches (tiny.gin's 16/128/512/2048: (0, 16, 128, 512); small.gin's 8K to 1M:
+    (0, 8192, 65536, 262144)). A run of one length L gets (0, L // 8, L // 2): the start, the
+    middle and the second half of its rows (edges that collapse at L < 8 are dropped)."""
+    if self.position_buckets:
+      return self.position_buckets
+    lengths = sorted({int(seq_len) for seq_len, _ in stages})
+    if not lengths:
+      raise ConfigError(f"StagesConfig.stages = {tuple(stages)!r} is not allowed: a non-empty "
+                        "sequence of (seq_len, steps)")
+    inner = lengths[:-1] if len(lengths) > 1 else [lengths[0] // 8, lengths[0] // 2]
+    edges = [0]
+    for edge in inner:
+      if edge > edges[-1]:
+        edges.append(edge)
+    return tuple(edges)
 
 
 @gin.configurable

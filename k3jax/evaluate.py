@@ -2,8 +2,9 @@ r"""The `evaluate` command: evaluate a run's checkpoint (params and balance bias
 
   python -m k3jax.evaluate --workdir=DIR [--step=N] [--seq_len=T]
 
-(or `k3jax evaluate ...`). Prints the results and writes them to DIR/eval_step<N>.json. The run's
-config is read from DIR/config.gin (written by the train command). The library is
+(or `k3jax evaluate ...`). Prints the results and writes them to DIR/eval_step<N>_len<T>.json: one
+file per checkpoint step and length, so an evaluation at another length keeps the others. The
+run's config is read from DIR/config.gin (written by the train command). The library is
 `k3jax.training.evaluation` (`evaluate_workdir`, `Evaluator`).
 """
 
@@ -45,7 +46,8 @@ def main(argv: Sequence[str]) -> None:
     results = evaluation.evaluate_workdir(FLAGS.workdir, FLAGS.step, FLAGS.seq_len)
     print(f"evaluation of {FLAGS.workdir} at step {results['step']}:")
     print(evaluation.format_eval(results))
-    path = os.path.join(FLAGS.workdir, f"eval_step{results['step']}.json")
+    path = os.path.join(FLAGS.workdir,
+                        f"eval_step{results['step']}_len{results['seq_len']}.json")
     with open(path, "w") as f:
       json.dump(results, f, indent=2)
     print(f"written to {path}")

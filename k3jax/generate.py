@@ -21,11 +21,32 @@ from k3jax import cli
 from k3jax import config as config_lib
 
 
+# A prompt longer than this is shown by its two ends: a long document given as the prompt would
+# otherwise bury the sample.
+PROMPT_SHOWN_CHARS = 400
+
+
+def describe_prompt(prompt: str, echo: bool = False, shown: int = PROMPT_SHOWN_CHARS) -> str:
+  """The prompt as printed: a header line, then the text as text (not a repr). Longer than
+  `shown` characters and not `echo`: only its first and last shown // 2 characters, with the
+  number of characters left out between them."""
+  if echo or len(prompt) <= shown:
+    return f"prompt:\n{prompt}"
+  half = shown // 2
+  return (f"prompt ({len(prompt):,} characters; the first and last {half} shown, --echo_prompt "
+          f"prints it whole):\n{prompt[:half]}\n[... {len(prompt) - 2 * half:,} characters "
+          f"...]\n{prompt[-half:]}")
+
+
 def define_flags() -> None:
   cli.define_config_flags(" For a fresh, randomly initialised model (without --workdir).")
   flags.DEFINE_string("workdir", None, "A training run's directory: restore its latest checkpoint.")
   flags.DEFINE_integer("step", None, "Checkpoint step to restore (default: the latest).")
   flags.DEFINE_string("prompt", "def fibonacci(n):", "The prompt text.")
+  flags.DEFINE_boolean("echo_prompt", False,
+                       f"Print the whole prompt; by default a prompt longer than "
+                       f"{PROMPT_SHOWN_CHARS} characters is shown by its first and last "
+                       f"{PROMPT_SHOWN_CHARS // 2}.")
   flags.DEFINE_integer("max_new_tokens", 64, "Tokens to sample.")
   flags.DEFINE_float("temperature", 0.8, "Sampling temperature; 0 is greedy.")
   flags.DEFINE_integer("top_k", 0, "Sample among the top-k tokens (0: all).")
@@ -103,9 +124,10 @@ def main(argv: Sequence[str]) -> None:
     out = np.asarray(jax.device_get(out))
     dt = time.perf_counter() - t0
     text = tokenizer.decode(out[0, len(ids):])
-    print(f"prompt: {FLAGS.prompt!r}")
-    print(f"sample: {text!r}")
-    print(f"{FLAGS.max_new_tokens} tokens in {dt:.2f}s (including compilation)")
+    print(describe_prompt(FLAGS.prompt, FLAGS.echo_prompt))
+    unit = "token" if FLAGS.max_new_tokens == 1 else "tokens"
+    print(f"sample ({FLAGS.max_new_tokens} {unit}, {dt:.2f}s including compilation):")
+    print(text)
     return 0
 
   cli.finish(run, usage_errors=(FileNotFoundError, ValueError,

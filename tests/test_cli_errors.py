@@ -192,7 +192,11 @@ def test_tool_generate_runs_like_the_module(tmp_path):
   `python -m k3jax.generate` itself runs in test_compiler)."""
   args = ["--gin_file=gin_configs/tiny.gin", *[f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS],
           "--max_new_tokens=1", f"--compilation_cache_dir={tmp_path / 'cache'}"]
-  tool = run_tool("generate", *args)
+  # A long prompt over several lines: shown by its two ends, as text, not echoed whole.
+  prompt = "first line\n" + "x" * 1200 + "\nlast line"
+  tool = run_tool("generate", *args, f"--prompt={prompt}")
   assert tool.returncode == 0, (tool.stdout, tool.stderr)
   assert "weights: a randomly initialised model" in tool.stdout
-  assert "sample: " in tool.stdout
+  assert "prompt (1,221 characters; the first and last 200 shown" in tool.stdout
+  assert "\nfirst line\n" in tool.stdout and tool.stdout.count("x") < 500, tool.stdout
+  assert "sample (1 token," in tool.stdout

@@ -218,7 +218,9 @@ def test_read_config_reads_a_run_directory_written_before_the_move(tmp_path):
   expected = config_lib.from_gin([], TINY_RUN_BINDINGS + [
       "ImplConfig.scan_layers = False", "ImplConfig.kda_conv_kernel = 'xla'",
       "ImplConfig.attention_impl = 'auto'", "ImplConfig.stage_remat = ('none', 'full')",
-      "RuntimeConfig.microbatch_loop = 'host'", "RuntimeConfig.precompile = 'off'"])
+      "RuntimeConfig.microbatch_loop = 'host'", "RuntimeConfig.precompile = 'off'",
+      # The buckets that run was written with (the default then; () derives them now).
+      "EvalConfig.position_buckets = (0, 1024, 8192, 65536, 262144)"])
   assert cfg == expected
   assert len(notes) == 1 and "\n" not in notes[0]
   assert notes[0].startswith(f"{tmp_path / 'config.gin'} was written with settings that have "

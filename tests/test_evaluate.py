@@ -132,9 +132,18 @@ def test_evaluate_cli(tmp_path):
                         timeout=600)
   assert proc.returncode == 0, proc.stderr
   assert "val_loss" in proc.stdout
-  with open(os.path.join(workdir, "eval_step3.json")) as f:
+  with open(os.path.join(workdir, "eval_step3_len16.json")) as f:
     results = json.load(f)
-  assert results["step"] == 3 and math.isfinite(results["val_loss"])
+  assert results["step"] == 3 and results["seq_len"] == 16 and math.isfinite(results["val_loss"])
+  # Another length is another file: the first result stays.
+  other = subprocess.run([sys.executable, "-m", "k3jax.evaluate", f"--workdir={workdir}",
+                          "--step=3", "--seq_len=32"], cwd=REPO, env=env, capture_output=True,
+                         text=True, timeout=600)
+  assert other.returncode == 0, other.stderr
+  with open(os.path.join(workdir, "eval_step3_len32.json")) as f:
+    assert json.load(f)["seq_len"] == 32
+  with open(os.path.join(workdir, "eval_step3_len16.json")) as f:
+    assert json.load(f) == results
   bad = subprocess.run([sys.executable, "-m", "k3jax.evaluate", f"--workdir={workdir}",
                         "--step=7"], cwd=REPO, env=env, capture_output=True, text=True,
                        timeout=600)
@@ -262,7 +271,6 @@ def test_bucket_names():
     ("EvalConfig.position_buckets = (1, 8)", "EvalConfig.position_buckets"),
     ("EvalConfig.position_buckets = (0, 8, 8)", "EvalConfig.position_buckets"),
     ("EvalConfig.position_buckets = (0, 8, 4)", "EvalConfig.position_buckets"),
-    ("EvalConfig.position_buckets = ()", "EvalConfig.position_buckets"),
     ("EvalConfig.position_buckets = (0, 2.5)", "EvalConfig.position_buckets"),
 ])
 def test_eval_config_validation_names_the_field(binding, field):
@@ -272,10 +280,13 @@ def test_eval_config_validation_names_the_field(binding, field):
 
 def test_loss_by_position_plot_takes_each_stage_last_evaluation(tmp_path):
   from k3jax.training import plots
-  records = [{"step": 1, "stage": 0, "val_loss_by_pos/0-4": 3.0, "val_loss_by_pos/4-inf": 2.9},
-             {"step": 2, "stage": 0, "val_loss_by_pos/0-4": 2.0, "val_loss_by_pos/4-inf": None},
-             {"step": 3, "stage": 1, "val_loss_by_pos/0-4": 1.5, "val_loss_by_pos/4-inf": 1.2},
-             {"step": 4, "stage": 1, "val_loss": 1.4}]  # no buckets: not a stage's record
+  records = [{"step": 1, "stage": 0, "seq_len": 4, "val_loss_by_pos/0-4": 3.0,
+              "val_loss_by_pos/4-inf": 2.9},
+             {"step": 2, "stage": 0, "seq_len": 4, "val_loss_by_pos/0-4": 2.0,
+              "val_loss_by_pos/4-inf": None},
+             {"step": 3, "stage": 1, "seq_len": 8, "val_loss_by_pos/0-4": 1.5,
+              "val_loss_by_pos/4-inf": 1.2},
+             {"step": 4, "stage": 1, "seq_len": 8, "val_loss": 1.4}]  # no buckets
   assert plots.loss_by_position_per_stage(records) == {0: {"0-4": 2.0},
                                                        1: {"0-4": 1.5, "4-inf": 1.2}}
   written = plots.make_all(str(tmp_path), [], records, [(4, 1), (8, 1)], None, [], {})

@@ -11,6 +11,7 @@ import pytest
 
 from k3jax import config as config_lib
 from k3jax.config import ImplConfig
+from k3jax.generate import describe_prompt
 from k3jax.model import K3Model
 from k3jax.model.decode import decode_forward, generate, init_cache, sample_token
 from testlib import tiny_variables
@@ -115,3 +116,14 @@ def test_decoding_the_scanned_decoder_equals_its_full_forward():
     logits, cache = decode_forward(cfg, IMPL, variables, cache, tokens[:, t:t + 1])
     got.append(logits)
   np.testing.assert_allclose(jnp.concatenate(got, axis=1), full, rtol=1e-4, atol=1e-4)
+
+
+def test_describe_prompt_shows_long_prompts_by_their_ends():
+  short = "def f(x):\n  return x"
+  assert describe_prompt(short) == "prompt:\n" + short       # text, newlines kept
+  long = "".join(chr(ord("a") + i % 26) for i in range(1000))
+  shown = describe_prompt(long, shown=100)
+  assert shown.startswith("prompt (1,000 characters; the first and last 50 shown")
+  assert long[:50] in shown and long[-50:] in shown and long[50:950] not in shown
+  assert "[... 900 characters ...]" in shown
+  assert describe_prompt(long, echo=True, shown=100) == "prompt:\n" + long

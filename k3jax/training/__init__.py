@@ -16,10 +16,12 @@
 
 from k3jax.training.loop import (NonFiniteLossError, StageOutOfMemoryError, TrainResult, train,
                                  write_report)
+from k3jax.training.run_dir import RunLockedError, RunWriteError
 from k3jax.training.state import (TrainState, init_train_state, placed_train_state_shapes,
                                   train_state_shapes)
 from k3jax.training.step import make_train_step
 
-__all__ = ["NonFiniteLossError", "StageOutOfMemoryError", "TrainResult", "TrainState",
+__all__ = ["NonFiniteLossError", "RunLockedError", "RunWriteError", "StageOutOfMemoryError",
+           "TrainResult", "TrainState",
            "init_train_state", "make_train_step", "placed_train_state_shapes", "train",
            "train_state_shapes", "write_report"]

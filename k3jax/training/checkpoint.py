@@ -329,6 +329,21 @@ class Checkpointer:
     self._manager.close()
 
 
+def remove_unfinished(directory: str) -> list[str]:
+  """Removes the temporary folders of checkpoints whose write did not finish (orbax writes a step
+  into `<step>.orbax-checkpoint-tmp...` and renames it when complete: finished steps are never
+  touched). Returns the removed paths. Only the first process removes anything."""
+  removed = []
+  if jax.process_index() != 0 or not os.path.isdir(directory):
+    return removed
+  for name in sorted(os.listdir(directory)):
+    if ".orbax-checkpoint-tmp" in name:
+      path = os.path.join(directory, name)
+      shutil.rmtree(path, ignore_errors=True)
+      removed.append(path)
+  return removed
+
+
 def _into_target(tree: PyTree, target: PyTree) -> PyTree:
   """The leaves of a converted stored tree (nested dicts/lists) placed in the target's structure
   (namedtuples included) by path, on the target leaves' shardings when they carry one."""

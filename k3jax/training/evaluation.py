@@ -7,10 +7,11 @@ training step does), so it never holds [B, T, vocab] logits: at K3's vocabulary 
 1M-token row would be 655 GB. Passkey retrieval computes the logits of the answer positions only.
 
 Loss by position (`val_loss_by_pos/<lo>-<hi>`, nats/token over the validation tokens whose position
-inside their document lies in [lo, hi), with `val_tokens_by_pos/<lo>-<hi>` their count;
-EvalConfig.position_buckets) is the long-context signal that scales to the 1M stage: does the model
-use distant context on real text? The loss of tokens deep inside long documents should fall as the
-stages extend the length. It comes from the validation forward pass at no extra cost and needs no
+inside their document lies in [lo, hi), with `val_tokens_by_pos/<lo>-<hi>` their count; the edges
+are `EvalConfig.position_bucket_edges` of the run's stages: by default 0 and every stage's length
+but the last) is the long-context signal that scales to the 1M stage: does the model use distant
+context on real text? The loss of tokens deep inside long documents should fall as the stages
+extend the length. It comes from the validation forward pass at no extra cost and needs no
 synthetic task. Buckets that start at or beyond the evaluated length are left out (no token can be
 there); a bucket that could hold tokens but got none has loss None.
 
@@ -81,7 +82,7 @@ class Evaluator:
     self.model = model
     self.data = data
 
-    edges = cfg.eval.position_buckets
+    edges = cfg.eval.position_bucket_edges(cfg.stages.stages)
     chunk_tokens = model.impl.position_chunk_tokens
 
     def hidden(params, moe_state, batch):
@@ -120,7 +121,7 @@ class Evaluator:
     """Validation loss (nats/token), bits per byte, loss by position inside the document (buckets
     that start below seq_len), and per-layer MaxVio of the summed loads."""
     batch_size = self.validation_batch_size(seq_len)
-    edges = self.cfg.eval.position_buckets
+    edges = self.cfg.eval.position_bucket_edges(self.cfg.stages.stages)
     totals, counts = np.zeros(len(edges)), np.zeros(len(edges))
     loads: dict[str, np.ndarray] = {}
     for batch in self.data.validation_batches(seq_len, batch_size, self.cfg.eval.num_batches):

@@ -20,10 +20,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import sys
 import threading
@@ -66,28 +68,44 @@ class TrainResult:
 
 def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = None,
           peak_tflops: float = 0.0, progress: bool = True, tensorboard: bool = True,
-          runtime: Optional[Runtime] = None) -> TrainResult:
+          runtime: Optional[Runtime] = None, take_over_lock: bool = False) -> TrainResult:
   """Trains (or resumes training) in `workdir` until all stages are done or `max_steps`.
 
   runtime: how the programs are compiled and run (default `Runtime(cfg.runtime)`, no
     lowered-program cache; the CLI keeps one in <--compilation_cache_dir>/lowered).
+  take_over_lock: take the run directory's lock from a run on another host that is known to be
+    gone (`run_dir.RunLock`; a dead run on this host is detected by itself).
 
   Raises:
     ConfigError: the workdir, the data or the mesh does not fit the config (the message names the
-      setting), or the workdir's checkpoints do not fit it.
+      setting), the workdir's checkpoints do not fit it, or another run holds the workdir
+      (RunLockedError). A start-up that fails leaves no workdir it created behind.
     NonFiniteLossError: a step's loss or gradient norm was not finite (that step is not saved).
     StageOutOfMemoryError: a stage's step ran out of device memory.
+    RunWriteError: the filesystem refused a write (no space left, no permission); the last
+      complete checkpoint is untouched.
   """
   runtime = Runtime(cfg.runtime) if runtime is None else runtime
-  _make_workdir(workdir)
+  # What needs no run directory is checked before one is created: the data and the mesh.
+  data = make_data(cfg)
+  mesh = sharding_lib.make_run_mesh(cfg)
+  with run_dir.RunDirectory(workdir, lock=jax.process_index() == 0,
+                            take_over_lock=take_over_lock) as directory:
+    return _train(cfg, directory, data, mesh, runtime, max_steps=max_steps,
+                  peak_tflops=peak_tflops, progress=progress, tensorboard=tensorboard)
+
+
+def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, runtime: Runtime,
+           *, max_steps: Optional[int], peak_tflops: float, progress: bool,
+           tensorboard: bool) -> TrainResult:
+  """`train` in its locked run directory: set-up, restore, the loop, the report."""
+  workdir = directory.path
   scfg = cfg.stages
   total_steps, ends = scfg.total_steps, stage_ends(scfg)
   stop_at = total_steps if max_steps is None else min(total_steps, max_steps)
 
-  # Set-up: the data, the mesh, each stage's step (compiled ahead where the runtime does so), the
-  # evaluator and the checkpoints.
-  data = make_data(cfg)
-  mesh = sharding_lib.make_run_mesh(cfg)
+  # Set-up: each stage's step (compiled ahead where the runtime does so), the evaluator and the
+  # checkpoints.
   devices = 1 if mesh is None else mesh.devices.size
   # The state's shapes, placed where the initialisation will put them: enough to trace and compile
   # the steps, which may start compiling before the state exists.
@@ -112,10 +130,16 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
     if programs is not None:
       programs.close()
     raise
-  run_dir.write_config(workdir, cfg)
-  writer = metrics_lib.MetricsWriter(workdir, resume_step=start, tensorboard=tensorboard)
-  writer.write_text("config", "```\n" + config_lib.to_gin(cfg) + "```")
+  with _refused_writes(workdir, ckpt):
+    run_dir.write_config(workdir, cfg)
+    directory.started()
+    writer = metrics_lib.MetricsWriter(workdir, resume_step=start, tensorboard=tensorboard)
+    writer.write_text("config", "```\n" + config_lib.to_gin(cfg) + "```")
   start = start or 0
+  # What a checkpoint needs on disk at most (orbax compresses; the old steps go after the new one
+  # is complete, so the space must be there besides them).
+  checkpoint_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
+                         for x in jax.tree.leaves(state_shapes)) + 2**20
   # MFU by the model FLOPs of each stage's row length (attention grows with it).
   stage_flops = {seq: flops_per_token(cfg.model, seq) for seq, _ in scfg.stages}
   peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops) * devices
@@ -138,6 +162,8 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
 
   def save(step: int) -> None:
     stage = scfg.stage_at(step - 1)
+    run_dir.check_space(ckpt.directory, checkpoint_bytes, f"checkpoint step {step}",
+                        ckpt.latest_step())
     ckpt.save(step, params=state.params, moe_state=state.moe_state, opt_state=state.opt_state,
               rng=state.rng, meta={"stage": stage, "seq_len": scfg.stages[stage][0],
                                    "data_position": step, "total_steps": total_steps})
@@ -164,7 +190,7 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
 
   # The loop.
   try:
-    with StopSignal() as stop:
+    with StopSignal() as stop, _refused_writes(workdir, ckpt):
       iterator = data.train_iterator(start)
       if start == 0 and cfg.eval.every_steps:
         # The starting point of the validation curve (≈ ln(vocab) at initialisation).
@@ -220,14 +246,10 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
         writer.write(step, "eval", dict(results, stage=stage))
       result.step, result.finished = step, step >= total_steps
       result.stopped_by_signal = stop.signum
-  finally:
-    if programs is not None:
-      programs.close()
-    if bar is not None:
-      bar.close()
-    ckpt.wait()
-    ckpt.close()
-    writer.close()
+  except BaseException:
+    _close(programs, bar, ckpt, writer, workdir, failing=True)
+    raise
+  _close(programs, bar, ckpt, writer, workdir, failing=False)
 
   # The report.
   if result.step == start and result.stopped_by_signal is None:
@@ -240,12 +262,14 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
             "steps.")
   elif result.stopped_by_signal is not None:
     # No new evaluation: it would delay the exit the signal asked for.
-    result.eval = write_report(cfg, workdir, last_loads, final_label="last evaluation")
+    with _refused_writes(workdir, ckpt):
+      result.eval = write_report(cfg, workdir, last_loads, final_label="last evaluation")
     print(f"stopped by signal {result.stopped_by_signal} after step {result.step}; checkpoint "
           "saved; eval.json and plots/ hold the evaluations so far (no final evaluation, so as "
           "not to delay the exit). Re-run the same command to resume.")
   else:
-    result.eval = write_report(cfg, workdir, last_loads)
+    with _refused_writes(workdir, ckpt):
+      result.eval = write_report(cfg, workdir, last_loads)
     if not result.finished:
       print(f"stopped at step {result.step} of {total_steps} (--max_steps); eval.json and plots/ "
             "written. To continue, re-run with a larger --max_steps, or without it.")
@@ -259,17 +283,6 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
 def stage_ends(stages_cfg: config_lib.StagesConfig) -> list[int]:
   """Global step counts at which each stage is complete."""
   return [int(x) for x in np.cumsum([n for _, n in stages_cfg.stages])]
-
-
-def _make_workdir(workdir: str) -> None:
-  if os.path.exists(workdir) and not os.path.isdir(workdir):
-    raise config_lib.ConfigError(f"--workdir={workdir} is a file, not a directory")
-  try:
-    os.makedirs(workdir, exist_ok=True)
-  except OSError as e:
-    raise config_lib.ConfigError(f"--workdir={workdir} cannot be created: {e.strerror}") from e
-  if not os.access(workdir, os.W_OK | os.X_OK):
-    raise config_lib.ConfigError(f"--workdir={workdir} is not writable")
 
 
 def _stage_steps(cfg: config_lib.Config, optimizer, schedule, state_shapes, mesh, runtime: Runtime,
@@ -298,6 +311,12 @@ def _restore(cfg: config_lib.Config, workdir: str, ckpt: checkpoint_lib.Checkpoi
   """(the state of the workdir's latest checkpoint placed on `shardings`, its step), or (`state`,
   None) for a new run. Raises ConfigError when the checkpoints do not fit the config (naming the
   settings that changed) or none of them can be read."""
+  latest, total = ckpt.latest_step(), cfg.stages.total_steps
+  if latest is not None and latest > total:
+    raise config_lib.ConfigError(
+        f"--workdir={workdir} holds checkpoint step {latest}, past the end of StagesConfig.stages "
+        f"= {cfg.stages.stages} ({total} steps): lengthen the stages to resume this run, or use a "
+        "new --workdir")
   changes = run_dir.changed_settings(workdir, cfg)
   try:
     restored = ckpt.restore_latest(params=state.params, moe_state=state.moe_state,
@@ -338,6 +357,59 @@ def _restore(cfg: config_lib.Config, workdir: str, ckpt: checkpoint_lib.Checkpoi
 # ------------------------------------------------------------------------------------------------
 # Errors, signals, records
 # ------------------------------------------------------------------------------------------------
+
+@contextlib.contextmanager
+def _refused_writes(workdir: str, ckpt: checkpoint_lib.Checkpointer):
+  """Turns a write the filesystem refuses (`run_dir.write_failure`: no space left, no permission)
+  into one RunWriteError naming the path and the last complete checkpoint, after removing what
+  orbax had written of an unfinished checkpoint (finished ones are never touched)."""
+  try:
+    yield
+  except run_dir.RunWriteError:
+    raise
+  except Exception as e:  # orbax and tensorstore raise their own types around the OSError
+    what = run_dir.write_failure(e)
+    if what is None:
+      raise
+    checkpoint_lib.remove_unfinished(ckpt.directory)
+    raise run_dir.RunWriteError(
+        f"{what}: writing {_refused_path(e) or 'into ' + workdir} failed. "
+        f"{run_dir.resume_advice(ckpt.latest_step())}") from e
+
+
+def _refused_path(error: BaseException) -> Optional[str]:
+  """The path of a refused write, from an OSError or from orbax's / tensorstore's message."""
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if isinstance(error, OSError) and error.filename:
+      return str(error.filename)
+    found = re.search(r'local file "([^"]+)"', str(error))
+    if found:
+      return found.group(1)
+    error = error.__cause__ or error.__context__
+  return None
+
+
+def _close(programs, bar, ckpt, writer, workdir: str, *, failing: bool) -> None:
+  """Ends the loop's helpers: the background compiles, the bar, the checkpoint writes (waited
+  for) and the metrics. When the run is failing already, a refused write while closing adds
+  nothing to the error in flight; otherwise it is a RunWriteError."""
+  if programs is not None:
+    programs.close()
+  if bar is not None:
+    bar.close()
+  try:
+    with _refused_writes(workdir, ckpt):
+      try:
+        ckpt.wait()
+      finally:
+        ckpt.close()
+        writer.close()
+  except run_dir.RunWriteError:
+    if not failing:
+      raise
+
 
 def is_out_of_memory(error: BaseException) -> bool:
   """Whether `error` is XLA's out-of-memory (RESOURCE_EXHAUSTED) at compile or run time."""
