@@ -152,6 +152,12 @@ def test_lock_unit():
       with pytest.raises(run_dir.RunLockedError, match="in use by another training run"):
         run_dir.RunLock(workdir).acquire()
     assert not os.path.exists(lock.path)
+    # The holder's command is named by its gist: a long command line is cut at 120 characters.
+    lock_file(workdir, host=run_dir.socket.gethostname(), pid=os.getpid(),
+              command="k3jax train " + "--gin_bindings=x " * 50)
+    with pytest.raises(run_dir.RunLockedError) as raised:
+      run_dir.RunLock(workdir).acquire()
+    assert len(str(raised.value)) < 400 and "k3jax train --gin_bindings=x" in str(raised.value)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -184,6 +190,17 @@ WRITE_SITES = {
           return write(self, step, kind, values)
         metrics.MetricsWriter.write = failing
     """,
+    # A permission error (a run directory whose permissions changed under the run).
+    "metrics_permission": f"""
+        import errno
+        from k3jax.training import metrics
+        write = metrics.MetricsWriter.write
+        def failing(self, step, kind, values):
+          if step == 3:
+            raise PermissionError(errno.EACCES, 'Permission denied', 'metrics.jsonl')
+          return write(self, step, kind, values)
+        metrics.MetricsWriter.write = failing
+    """,
     "config": f"""
         import errno
         from k3jax.training import run_dir
@@ -205,12 +222,16 @@ WRITE_SITES = {
 def test_a_refused_write_is_one_line_and_the_last_checkpoint_restores(tmp_path, cache, site):
   workdir = tmp_path / "run"
   proc = train(workdir, cache, "--max_steps=3", patch=WRITE_SITES[site])
-  line = one_line(proc, 3, "no space left on the device", "Nothing was lost")
+  if site == "metrics_permission":
+    line = one_line(proc, 3, "permission denied: writing metrics.jsonl failed", "Nothing was lost",
+                    "give this user write access to the run directory")
+  else:
+    line = one_line(proc, 3, "no space left on the device", "Nothing was lost", "make room")
   checkpoints = workdir / "checkpoints"
   if site == "config":     # before any step: no checkpoint, and the new directory is removed
     assert "no checkpoint was written yet" in line and not workdir.exists()
     return
-  last = {"checkpoint": 1, "metrics": 2, "report": 3}[site]   # checkpoints every step
+  last = {"checkpoint": 1, "metrics": 2, "metrics_permission": 2, "report": 3}[site]   # checkpoints every step
   assert f"the last complete checkpoint is step {last}" in line
   assert not [n for n in os.listdir(checkpoints) if "tmp" in n]
   assert not (workdir / run_dir.LOCK_FILE).exists()

@@ -374,7 +374,7 @@ def _refused_writes(workdir: str, ckpt: checkpoint_lib.Checkpointer):
     checkpoint_lib.remove_unfinished(ckpt.directory)
     raise run_dir.RunWriteError(
         f"{what}: writing {_refused_path(e) or 'into ' + workdir} failed. "
-        f"{run_dir.resume_advice(ckpt.latest_step())}") from e
+        f"{run_dir.resume_advice(ckpt.latest_step(), what)}") from e
 
 
 def _refused_path(error: BaseException) -> Optional[str]:

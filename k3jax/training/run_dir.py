@@ -142,8 +142,11 @@ class RunLock:
 
   def _take_over_stale(self) -> None:
     holder = self._holder()
+    command = str(holder.get("command", "?"))
+    if len(command) > 120:   # the gist: the program and its first arguments (often --workdir)
+      command = command[:117] + "..."
     who = (f"pid {holder.get('pid', '?')} on {holder.get('host', '?')}, started "
-           f"{holder.get('started', '?')}: {holder.get('command', '?')}")
+           f"{holder.get('started', '?')}: {command}")
     workdir = os.path.dirname(self.path)
     if holder.get("host") == self._mine["host"]:
       if _process_alive(holder.get("pid")):
@@ -245,10 +248,13 @@ def check_space(path: str, needed: int, what: str, last_checkpoint) -> None:
         f"{free / 2**20:.1f} MiB are free. {resume_advice(last_checkpoint)}")
 
 
-def resume_advice(last_checkpoint) -> str:
+def resume_advice(last_checkpoint, what: str = "no space left on the device") -> str:
+  """What survived a refused write and how to go on, for `what` (as `write_failure` says it)."""
   where = ("the last complete checkpoint is step " + str(last_checkpoint)
            if last_checkpoint is not None else "no checkpoint was written yet")
-  return f"Nothing was lost: {where}; make room and run the same command again to resume."
+  fix = {"permission denied": "give this user write access to the run directory",
+         "read-only file system": "make the run directory writable"}.get(what, "make room")
+  return f"Nothing was lost: {where}; {fix} and run the same command again to resume."
 
 
 # ------------------------------------------------------------------------------------------------
