@@ -42,6 +42,8 @@ def _check(cond: bool, field: str, allowed: str, value: Any) -> None:
 
 DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
+FFN_ACTIVATIONS = ("situ_glu", "swiglu")
+A_LOG_INITS = ("auto", "zero", "log_uniform")
 KDA_BACKENDS = ("auto", "xla", "pallas")
 # The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
 # k3jax.ops.kernel_choice.
@@ -80,6 +82,12 @@ class ModelConfig:
   kda_conv_size: int = 4
   kda_gate_rank: int = 0          # 0: full-rank decay-gate projection; >0: low-rank through this width
   kda_gate_lower_bound: Optional[float] = -5.0   # None: the unbounded softplus gate (ablation)
+  # A_log's initial values: 'zero' (exp(A_log) = 1), 'log_uniform' (log U(1, 16), fla's and the
+  # K3 and Kimi-Linear releases'), 'auto' ('zero' with the bounded gate, else 'log_uniform').
+  kda_a_log_init: str = "auto"
+  # The output gate sigmoid(x W_g) before o_proj: 0 gives K3's full-rank W_g [d, H·V]; r > 0 gives
+  # Kimi-Linear's low-rank W_g = g_a [d, r] · g_b [r, H·V].
+  kda_output_gate_rank: int = 0
   # The chunked algorithm's chunk: part of what the model computes in FLOPs (`k3jax.model.flops`),
   # while every chunk size gives the same outputs up to rounding.
   kda_chunk_size: int = 64
@@ -93,7 +101,10 @@ class ModelConfig:
   mla_v_dim: int = 32
   mla_output_gate: bool = True
 
-  # FFN and MoE (SiTU-GLU everywhere)
+  # FFN and MoE: the dense FFN, the shared and the routed experts all use `ffn_activation`:
+  # 'situ_glu' (K3: SiTU(gate)·softcap(up), bounded by situ_beta1, situ_beta2) or 'swiglu'
+  # (Kimi-Linear: silu(gate)·up, SiTU-GLU's limit as both bounds grow).
+  ffn_activation: str = "situ_glu"
   situ_beta1: float = 4.0
   situ_beta2: float = 25.0
   dense_ffn_dim: int = 128
@@ -120,6 +131,16 @@ class ModelConfig:
   # Block Attention Residuals
   attnres: bool = True
   attnres_block_size: int = 2     # layers per block
+  # A learned gain on each mix's key RMSNorm beside its query, as K3's release parameterises the
+  # mix (the function class is the same: the scores use gain ⊙ query). False: the query alone.
+  attnres_key_norm_gain: bool = False
+
+  def glu_bounds(self) -> tuple[Optional[float], Optional[float]]:
+    """The GLU activation's bounds (β1, β2) for `k3jax.ops.situ_glu.situ_glu`: the SiTU-GLU
+    betas, or (None, None) for SwiGLU."""
+    if self.ffn_activation == "swiglu":
+      return None, None
+    return self.situ_beta1, self.situ_beta2
 
   def layer_kind(self, i: int) -> str:
     """'mla' or 'kda' for 0-based layer index i."""
@@ -137,7 +158,7 @@ class ModelConfig:
                  "attnres_block_size", "moe_qb_interval"):
       v = getattr(self, name)
       _check(isinstance(v, int) and v > 0, p + name, "a positive integer", v)
-    for name in ("kda_gate_rank", "mla_q_lora_rank", "mla_qk_rope_dim", "first_k_dense",
+    for name in ("kda_gate_rank", "kda_output_gate_rank", "mla_q_lora_rank", "mla_qk_rope_dim", "first_k_dense",
                  "moe_num_experts", "moe_latent_dim", "moe_num_shared"):
       v = getattr(self, name)
       _check(isinstance(v, int) and v >= 0, p + name, "an integer >= 0", v)
@@ -150,7 +171,11 @@ class ModelConfig:
            p + "kda_gate_lower_bound",
            "None (unbounded softplus gate) or a float in [-5, 0); below -5 a 16-token tile's decay "
            "span leaves fp32's exp range", lb)
+    _check(self.kda_a_log_init in A_LOG_INITS, p + "kda_a_log_init", f"one of {A_LOG_INITS}",
+           self.kda_a_log_init)
     _check(self.norm_eps > 0, p + "norm_eps", "a positive float", self.norm_eps)
+    _check(self.ffn_activation in FFN_ACTIVATIONS, p + "ffn_activation",
+           f"one of {FFN_ACTIVATIONS}", self.ffn_activation)
     _check(self.situ_beta1 > 0 and self.situ_beta2 > 0, p + "situ_beta1/situ_beta2",
            "positive floats", (self.situ_beta1, self.situ_beta2))
     _check(self.moe_balance in BALANCE_METHODS, p + "moe_balance", f"one of {BALANCE_METHODS}",

@@ -209,7 +209,11 @@ class DepthMix(nn.Module):
   Attributes:
     config: model config (d_model via the sources' width, norm_eps, param_dtype).
     impl: ImplConfig (attnres_kernel).
-  Parameter: 'query' [d] ('norm',), initialised to zero.
+  Parameters: 'query' [d] ('norm',), initialised to zero; with `attnres_key_norm_gain`, also
+  'key_norm_gain' [d] ('norm',), initialised to one: the keys' RMSNorm gain g, as K3's release
+  stores it (`*_res_norm.weight` beside the query `*_res_proj.weight`). The scores are then
+  <g ⊙ RMSNorm(s_i), q> = <RMSNorm(s_i), g ⊙ q>: the same function class with a product
+  parameterisation, whose training dynamics differ; the mix runs with the folded query g ⊙ q.
   Call: sources, a non-empty sequence of [B, T, d] arrays of one dtype → h [B, T, d] in that dtype;
   valid (optional), [len(sources)] bool: False leaves a source out of the softmax (the decoder's
   scan keeps frozen blocks in fixed slots, some not yet written). At least one must be valid.
@@ -222,7 +226,13 @@ class DepthMix(nn.Module):
   def __call__(self, sources: Sequence[jax.Array], valid: Optional[jax.Array] = None
                ) -> jax.Array:
     _check_sources(sources, valid, "DepthMix")
-    query = common.logical_param(self, "query", (sources[0].shape[-1],), ("norm",),
-                                 nn.initializers.zeros, common.to_dtype(self.config.param_dtype))
+    width = sources[0].shape[-1]
+    param_dtype = common.to_dtype(self.config.param_dtype)
+    query = common.logical_param(self, "query", (width,), ("norm",), nn.initializers.zeros,
+                                 param_dtype)
+    if self.config.attnres_key_norm_gain:
+      gain = common.logical_param(self, "key_norm_gain", (width,), ("norm",),
+                                  nn.initializers.ones, param_dtype)
+      query = query.astype(jnp.float32) * gain.astype(jnp.float32)
     return depth_mix(sources, query, valid, self.config.norm_eps,
                      kernel=self.impl.attnres_kernel)

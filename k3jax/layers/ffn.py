@@ -7,7 +7,8 @@
 
 For |a| ≪ β1 and |b| ≪ β2 this is SwiGLU (silu(a)·b); everywhere it is smooth and bounded, which is
 what K3 uses instead of rotations to keep activation outliers in check for low-precision training.
-The activation math always runs in fp32 (`k3jax.ops.situ_glu`; docs/architecture.md).
+`ModelConfig.ffn_activation = 'swiglu'` drops both bounds (Kimi-Linear's FFN). The activation math
+always runs in fp32 (`k3jax.ops.situ_glu`; docs/architecture.md).
 
 With `chunk_tokens` > 0 (ImplConfig.position_chunk_tokens) the layer runs over [B, T, d] inputs in
 rematerialised sequence chunks (`k3jax.ops.chunking`): its [B·T, m] hidden activations are never
@@ -15,6 +16,8 @@ alive whole.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -61,8 +64,9 @@ def glu_kernels(cfg: ModelConfig, width: int, hidden_dim: int, in_axis: str, hid
 
 
 def situ_glu_ffn(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, *,
-                 dtype, beta1: float, beta2: float) -> jax.Array:
-  """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)), a pure function.
+                 dtype, beta1: Optional[float], beta2: Optional[float]) -> jax.Array:
+  """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)), a pure function (SwiGLU when beta1 and beta2
+  are None).
 
   x [..., d] any float dtype; w_gate, w_up [d, m]; w_out [m, d] (any float dtype). The matmuls run
   in `dtype` (inputs and weights cast to it), the activation math in fp32; returns [..., d] in
@@ -93,7 +97,7 @@ class SiTUGLU(nn.Module):
   """y = W_out(SiTU(W_gate x) ⊙ softcap(W_up x)); the output width equals the input width.
 
   Attributes:
-    config: model config (dtype, param_dtype, init_std, situ_beta1, situ_beta2).
+    config: model config (dtype, param_dtype, init_std, ffn_activation, situ_beta1, situ_beta2).
     hidden_dim: the GLU's hidden width m.
     in_axis: logical axis name of the input/output width (params 'gate'/'up' are
       (in_axis, hidden_axis), 'out' is (hidden_axis, in_axis)).
@@ -115,10 +119,10 @@ class SiTUGLU(nn.Module):
     w_gate, w_up, w_out = glu_kernels(cfg, x.shape[-1], self.hidden_dim, self.in_axis,
                                       self.hidden_axis)
     dtype = common.to_dtype(cfg.dtype)
+    beta1, beta2 = cfg.glu_bounds()
 
     def ffn(v):
-      return situ_glu_ffn(v, w_gate, w_up, w_out, dtype=dtype, beta1=cfg.situ_beta1,
-                          beta2=cfg.situ_beta2)
+      return situ_glu_ffn(v, w_gate, w_up, w_out, dtype=dtype, beta1=beta1, beta2=beta2)
 
     if x.ndim != 3 or self.chunk_tokens <= 0:
       return ffn(x)

@@ -8,6 +8,7 @@ docs/architecture.md §1. For the normed layer input x [B, T, d]:
   beta    = sigmoid(x W_b)                                           [B, T, H]
   o       = chunk_kda(q, k, v, g, beta, use_qk_l2norm=True)            [B, T, H, V]
   y       = (RMSNorm_per_head(o) * w) * sigmoid(x W_g)  then  y W_o    [B, T, d]
+            (W_g full rank d -> H*V, or low rank d -> kda_output_gate_rank -> H*V)
 
 Packed rows: segment ids reset the KDA state and isolate the convs per document; padding tokens
 output zeros.
@@ -37,11 +38,14 @@ from k3jax.ops.kda import chunk_kda, kda_gate, l2_normalize, recurrent_kda
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
 
 
-def a_log_init(bounded: bool):
-  """A_log [H]: 0 with the bounded gate (exp(A_log) = 1), else log U(1, 16) (fla's init)."""
+def a_log_init(cfg: ModelConfig):
+  """A_log [H] by `ModelConfig.kda_a_log_init`: 0 (exp(A_log) = 1) for 'zero', and for 'auto'
+  with the bounded gate; else log U(1, 16) (fla's init, and the K3 and Kimi-Linear releases')."""
+  zero = cfg.kda_a_log_init == "zero" or (cfg.kda_a_log_init == "auto"
+                                          and cfg.kda_gate_lower_bound is not None)
 
   def init(key, shape, dtype=jnp.float32):
-    if bounded:
+    if zero:
       return jnp.zeros(shape, dtype)
     return jnp.log(jax.random.uniform(key, shape, jnp.float32, 1.0, 16.0)).astype(dtype)
   return init
@@ -101,8 +105,7 @@ class KDALayer(nn.Module):
     else:
       gate_x = jnp.einsum("btd,dhk->bthk", x,
                           config_weight(self, "f_proj", (d, h, dk), ("embed", "heads", "head_dim")))
-    bounded = cfg.kda_gate_lower_bound is not None
-    a_log = logical_param(self, "A_log", (h,), ("heads",), a_log_init(bounded), jnp.float32)
+    a_log = logical_param(self, "A_log", (h,), ("heads",), a_log_init(cfg), jnp.float32)
     dt_bias = logical_param(self, "dt_bias", (h * dk,), ("heads",), dt_bias_init, jnp.float32)
     gate_params = dict(A_log=a_log, dt_bias=dt_bias, lower_bound=cfg.kda_gate_lower_bound)
     if self.is_mutable_collection("intermediates"):
@@ -145,8 +148,14 @@ class KDALayer(nn.Module):
 
     # Gated per-head RMSNorm (fla's FusedRMSNormGated with a sigmoid gate), fp32.
     norm_w = logical_param(self, "o_norm", (dv,), ("norm",), nn.initializers.ones, param_dtype)
-    out_gate = jnp.einsum("btd,dhv->bthv", x,
-                          config_weight(self, "g_proj", (d, h, dv), ("embed", "heads", "head_dim")))
+    if cfg.kda_output_gate_rank > 0:
+      g_a = config_weight(self, "g_a_proj", (d, cfg.kda_output_gate_rank), ("embed", None))
+      g_b = config_weight(self, "g_b_proj", (cfg.kda_output_gate_rank, h, dv),
+                          (None, "heads", "head_dim"))
+      out_gate = jnp.einsum("btr,rhv->bthv", x @ g_a, g_b)
+    else:
+      out_gate = jnp.einsum("btd,dhv->bthv", x, config_weight(self, "g_proj", (d, h, dv),
+                                                              ("embed", "heads", "head_dim")))
     o = gated_rms_norm(o, out_gate, cfg.norm_eps, norm_w)
     w_o = config_weight(self, "o_proj", (h, dv, d), ("heads", "head_dim", "embed"))
     return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)

@@ -1,4 +1,4 @@
-"""Stable LatentMoE with SiTU-GLU experts, a sigmoid router and Quantile Balancing (QB).
+"""Stable LatentMoE with SiTU-GLU (or SwiGLU) experts, a sigmoid router and Quantile Balancing (QB).
 
     scores   s = sigmoid(x W_router)                      fp32, on the full-width x
     choice   top-k of s + b                               b: per-layer fp32 bias, no gradient
@@ -341,6 +341,7 @@ class LatentMoE(nn.Module):
       shared = SiTUGLUWeights(cfg, cfg.moe_num_shared * cfg.moe_shared_dim, name="shared")(width)
     ragged_dot_fn = default_ragged_dot(self.impl.moe_grouped_matmul)
     activation = pallas_or_xla(self.impl.moe_situ_glu, "ImplConfig.moe_situ_glu")
+    beta1, beta2 = cfg.glu_bounds()
 
     def routed_and_shared(x_c, valid_c, idx_c, weight_c):
       """[b, c, d] positions with their [b, c] validity and [b, c, k] routing -> ([b, c, d] in
@@ -353,7 +354,7 @@ class LatentMoE(nn.Module):
       # Expert-parallel (all-to-all) when the active mesh has an expert axis > 1, else local.
       routed, stats = routed_experts_auto(
           z, idx_c.reshape(n, k), weight_c.reshape(n, k), w_gate, w_up, w_out,
-          beta1=cfg.situ_beta1, beta2=cfg.situ_beta2, capacity_factor=cfg.moe_capacity_factor,
+          beta1=beta1, beta2=beta2, capacity_factor=cfg.moe_capacity_factor,
           valid=valid_c.reshape(n), ragged_dot_fn=ragged_dot_fn, activation=activation)
       if cfg.moe_latent_norm:
         routed = common.rms_norm(routed, cfg.norm_eps, norm_scale).astype(dtype)
@@ -361,8 +362,7 @@ class LatentMoE(nn.Module):
         routed = jnp.dot(routed.astype(dtype), w_lift.astype(dtype))
       y_c = routed.reshape(b, c, width).astype(dtype)
       if cfg.moe_num_shared > 0:
-        y_c = y_c + situ_glu_ffn(x_c, *shared, dtype=dtype, beta1=cfg.situ_beta1,
-                                 beta2=cfg.situ_beta2)
+        y_c = y_c + situ_glu_ffn(x_c, *shared, dtype=dtype, beta1=beta1, beta2=beta2)
       return y_c, {"load": stats["load"], "dropped": stats["dropped"]}
 
     valid_bt = (jnp.ones((batch, length), bool) if valid is None

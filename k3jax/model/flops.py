@@ -12,7 +12,8 @@ Counted, per token of the forward (d = d_model, V = vocab_size; one FLOP count p
     kda_qkv        2·d·H·(2K + Vh)
     kda_gate       2·d·H·K, or 2·(d·r + r·H·K) with the low-rank gate (r = kda_gate_rank > 0)
     kda_beta       2·d·H
-    kda_out_gate   2·d·H·Vh
+    kda_out_gate   2·d·H·Vh, or 2·(d·r + r·H·Vh) with the low-rank output gate
+                   (r = kda_output_gate_rank > 0)
     kda_out        2·H·Vh·d
     kda_conv       2·W·H·(2K + Vh): the depthwise short convs of q, k and v, W multiply-adds per
                    channel (not a matmul, but counted: it is a weight product like one)
@@ -35,7 +36,7 @@ Counted, per token of the forward (d = d_model, V = vocab_size; one FLOP count p
                    document per row: with packed rows the useful attention is less, and kernels that
                    compute the masked-out half (or whole blocks across documents) do more.
   FFN / MoE layers:
-    ffn            2·3·d·m for the dense SiTU-GLU of width m = dense_ffn_dim (gate, up, out)
+    ffn            2·3·d·m for the dense GLU of width m = dense_ffn_dim (gate, up, out)
     moe_router     2·d·E (E = moe_num_experts)
     moe_latent     2·2·d·ℓ: the down (d → ℓ) and up (ℓ → d) projections (ℓ = moe_latent_dim > 0)
     moe_routed     top_k·2·3·ℓ'·m_e: the top_k active experts, SiTU-GLUs of width m_e =
@@ -127,7 +128,8 @@ def forward_flops_breakdown(cfg: Union[ModelConfig, Config], seq_len: int) -> di
   out["kda_qkv"] = n_kda * 2.0 * d * h * (2 * k + v)
   out["kda_gate"] = n_kda * 2.0 * ((d * r + r * h * k) if r > 0 else d * h * k)
   out["kda_beta"] = n_kda * 2.0 * d * h
-  out["kda_out_gate"] = n_kda * 2.0 * d * h * v
+  r_out = m.kda_output_gate_rank
+  out["kda_out_gate"] = n_kda * 2.0 * ((d * r_out + r_out * h * v) if r_out > 0 else d * h * v)
   out["kda_out"] = n_kda * 2.0 * h * v * d
   out["kda_conv"] = n_kda * 2.0 * m.kda_conv_size * h * (2 * k + v)
   out["kda_chunk"] = n_kda * kda_chunk_flops(1, 1, h, k, m.kda_chunk_size, v)

@@ -67,8 +67,8 @@ def _check_shapes(z, expert_idx, expert_weight, w_gate, w_up, w_out, valid) -> N
 
 
 def grouped_situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array,
-                     group_sizes: jax.Array, in_group: jax.Array, *, beta1: float, beta2: float,
-                     ragged_dot_fn: RaggedDotFn, activation: str = "xla") -> jax.Array:
+                     group_sizes: jax.Array, in_group: jax.Array, *, beta1: Optional[float],
+                     beta2: Optional[float], ragged_dot_fn: RaggedDotFn, activation: str = "xla") -> jax.Array:
   """SiTU-GLU experts over rows sorted by expert: W_out[e]·SiTU-GLU(x W_gate[e], x W_up[e]).
 
   x [M, ℓ] (the matmuls run in x.dtype, accumulating in fp32; gate and up are rounded to x.dtype
@@ -132,8 +132,8 @@ def routed_experts(
     w_up: jax.Array,
     w_out: jax.Array,
     *,
-    beta1: float,
-    beta2: float,
+    beta1: Optional[float],
+    beta2: Optional[float],
     capacity_factor: float = 0.0,
     valid: Optional[jax.Array] = None,
     ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot,
@@ -148,7 +148,7 @@ def routed_experts(
     w_gate: [E, ℓ, m] gate projections.
     w_up: [E, ℓ, m] up projections.
     w_out: [E, m, ℓ] output projections. Weights are cast to z.dtype.
-    beta1, beta2: SiTU-GLU bounds.
+    beta1, beta2: SiTU-GLU bounds (both None: SwiGLU).
     capacity_factor: 0 for dropless; > 0 for fixed per-expert buffers of
       ceil(capacity_factor·N·k/E) rows (N is the static row count, padding included).
     valid: optional [N] bool; False rows (padding) are not routed, not computed and not counted.

@@ -106,7 +106,7 @@ def ep_capacity(tokens_per_device: int, top_k: int, num_experts: int, num_ep: in
 
 
 def _local_ep(z, expert_idx, expert_weight, valid, w_gate, w_up, w_out, *, num_experts: int,
-              num_ep: int, capacity: int, beta1: float, beta2: float,
+              num_ep: int, capacity: int, beta1: Optional[float], beta2: Optional[float],
               ragged_dot_fn: RaggedDotFn, activation: str, reduce_axes: tuple):
   """Per-device body of the EP shard_map (shapes are the device-local ones)."""
   n_loc, latent = z.shape
@@ -183,8 +183,8 @@ def routed_experts_ep(
     w_up: jax.Array,
     w_out: jax.Array,
     *,
-    beta1: float,
-    beta2: float,
+    beta1: Optional[float],
+    beta2: Optional[float],
     capacity_factor: float = 0.0,
     valid: Optional[jax.Array] = None,
     mesh: Optional[Mesh] = None,
@@ -251,8 +251,8 @@ def expert_parallel_size(mesh: Optional[Mesh] = None) -> int:
 
 
 def routed_experts_auto(z: jax.Array, expert_idx: jax.Array, expert_weight: jax.Array,
-                        w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, *, beta1: float,
-                        beta2: float, capacity_factor: float = 0.0,
+                        w_gate: jax.Array, w_up: jax.Array, w_out: jax.Array, *,
+                        beta1: Optional[float], beta2: Optional[float], capacity_factor: float = 0.0,
                         valid: Optional[jax.Array] = None,
                         ragged_dot_fn: RaggedDotFn = jax.lax.ragged_dot,
                         activation: str = "xla") -> tuple[jax.Array, dict]:

@@ -59,9 +59,11 @@ def read_config(workdir: str, log: Callable[[str], None] = lambda line: print(
   return config_lib.from_gin([], bindings)
 
 
-def config_differences(old_gin: str, new_gin: str) -> list[str]:
+def config_differences(old_gin: str, new_gin: str, defaults_gin: str = "") -> list[str]:
   """'Configurable.field: old -> new' for every binding that differs between two config.gin texts
-  (as `config.to_gin` writes them: one 'Name.field = value' per line)."""
+  (as `config.to_gin` writes them: one 'Name.field = value' per line). A field the old text lacks
+  and the new one holds at its value in `defaults_gin` is not a difference: the field is newer
+  than the old text, and its default keeps what the old code computed."""
   def bindings(text):
     out = {}
     for line in text.splitlines():
@@ -69,16 +71,19 @@ def config_differences(old_gin: str, new_gin: str) -> list[str]:
         name, value = line.split("=", 1)
         out[name.strip()] = value.strip()
     return out
-  old, new = bindings(old_gin), bindings(new_gin)
+  old, new, defaults = bindings(old_gin), bindings(new_gin), bindings(defaults_gin)
   return [f"{name}: {old.get(name, '(unset)')} -> {new.get(name, '(unset)')}"
-          for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)]
+          for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)
+          and not (name not in old and name in defaults and new[name] == defaults[name])]
 
 
 def changed_settings(workdir: str, cfg: config_lib.Config) -> list[str]:
   """'Configurable.field: old -> new' between the run so far (DIR/config.gin) and `cfg`; empty
   for a new run."""
   text = _stored_text(workdir, log=lambda line: None)
-  return [] if text is None else config_differences(text, config_lib.to_gin(cfg))
+  if text is None:
+    return []
+  return config_differences(text, config_lib.to_gin(cfg), config_lib.to_gin(config_lib.Config()))
 
 
 # ------------------------------------------------------------------------------------------------

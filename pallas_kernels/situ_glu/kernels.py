@@ -47,17 +47,51 @@ class SituGluConfig:
     check_powers_of_two(self, "block_m", "block_f")
 
 
-def situ_glu_grads(a: jax.Array, b: jax.Array, dh: jax.Array, beta1: float, beta2: float):
+def bounded_silu(a: jax.Array, beta1: float | None) -> tuple[jax.Array, jax.Array]:
+  """(SiTU(a), tanh(a/β1)) in fp32 for fp32 a: SiTU(a) = β1·tanh(a/β1)·σ(a). β1 = None: the
+  unbounded limit silu(a) = a·σ(a) (SwiGLU's gate), returned with None for the tanh."""
+  if beta1 is None:
+    return a * jax.nn.sigmoid(a), None
+  tanh_a = jnp.tanh(a / beta1)
+  return beta1 * tanh_a * jax.nn.sigmoid(a), tanh_a
+
+
+def softcap(b: jax.Array, beta2: float | None) -> jax.Array:
+  """β2·tanh(b/β2) in fp32 for fp32 b; β2 = None: b itself (SwiGLU's linear branch)."""
+  return b if beta2 is None else beta2 * jnp.tanh(b / beta2)
+
+
+def situ_glu_value(a: jax.Array, b: jax.Array, beta1: float | None, beta2: float | None
+                   ) -> jax.Array:
+  """h = SiTU(a)·softcap(b), fp32 and elementwise; with β1 = β2 = None it is SwiGLU's
+  silu(a)·b, the limit of SiTU-GLU as both bounds grow."""
+  return bounded_silu(a, beta1)[0] * softcap(b, beta2)
+
+
+def situ_glu_grads(a: jax.Array, b: jax.Array, dh: jax.Array, beta1: float | None,
+                   beta2: float | None):
   """(dgate, dup) of h = SiTU(a)·softcap(b) for the cotangent dh, all fp32 and elementwise:
   dgate = dh·sc(b)·SiTU'(a), dup = dh·SiTU(a)·sc'(b), with SiTU'(a) = (1 − tanh²(a/β1))·σ(a) +
-  β1·tanh(a/β1)·σ(a)·(1 − σ(a)) and sc'(b) = 1 − tanh²(b/β2). The backward kernel's math, and
-  `k3jax.ops.moe.situ_glu`'s backward (XLA) too. Both tend to 0 where tanh or σ saturate."""
-  tanh_a = jnp.tanh(a / beta1)
+  β1·tanh(a/β1)·σ(a)·(1 − σ(a)) and sc'(b) = 1 − tanh²(b/β2); a None bound takes the unbounded
+  limit (tanh(a/β1)·β1 → a, sc'(b) → 1), which is SwiGLU's gradient. The backward kernel's math,
+  and `k3jax.ops.moe.situ_glu`'s backward (XLA) too. Both tend to 0 where tanh or σ saturate."""
   sig_a = jax.nn.sigmoid(a)     # Triton lowers it as 1 / (1 + exp(-a))
+  situ_a, tanh_a = bounded_silu(a, beta1)
+  slope = 1.0 if tanh_a is None else 1.0 - tanh_a * tanh_a
+  dsitu_da = slope * sig_a + situ_a * (1.0 - sig_a)
+  if beta2 is None:
+    return dh * b * dsitu_da, dh * situ_a
   tanh_b = jnp.tanh(b / beta2)
-  situ_a = beta1 * tanh_a * sig_a
-  dsitu_da = (1.0 - tanh_a * tanh_a) * sig_a + situ_a * (1.0 - sig_a)
   return dh * (beta2 * tanh_b) * dsitu_da, dh * situ_a * (1.0 - tanh_b * tanh_b)
+
+
+def check_bounds(fn: str, beta1, beta2) -> None:
+  """Both bounds positive numbers (SiTU-GLU) or both None (SwiGLU); else ValueError."""
+  if beta1 is None and beta2 is None:
+    return
+  if beta1 is None or beta2 is None or beta1 <= 0 or beta2 <= 0:
+    raise ValueError(f"{fn}: beta1={beta1} and beta2={beta2} must both be > 0 (SiTU-GLU) or both "
+                     f"None (SwiGLU)")
 
 
 def _rows_kept(num_rows_ref, block_m: int) -> jax.Array:
@@ -66,16 +100,17 @@ def _rows_kept(num_rows_ref, block_m: int) -> jax.Array:
   return rows < num_rows_ref[0]
 
 
-def _fwd_kernel(num_rows_ref, gu_ref, h_ref, *, beta1: float, beta2: float):
+def _fwd_kernel(num_rows_ref, gu_ref, h_ref, *, beta1: float | None, beta2: float | None):
   """num_rows_ref [1] int32; gu_ref [bm, 2, bf] (gate, up); h_ref [bm, bf]."""
   a = gu_ref[:, 0, :].astype(jnp.float32)
   b = gu_ref[:, 1, :].astype(jnp.float32)
-  h = (beta1 * jnp.tanh(a / beta1) * jax.nn.sigmoid(a)) * (beta2 * jnp.tanh(b / beta2))
+  h = situ_glu_value(a, b, beta1, beta2)
   h = jnp.where(_rows_kept(num_rows_ref, h.shape[0]), h, 0.0)
   h_ref[...] = h.astype(h_ref.dtype)
 
 
-def _bwd_kernel(num_rows_ref, gu_ref, dh_ref, dgu_ref, *, beta1: float, beta2: float):
+def _bwd_kernel(num_rows_ref, gu_ref, dh_ref, dgu_ref, *, beta1: float | None,
+                beta2: float | None):
   """num_rows_ref [1] int32; gu_ref [bm, 2, bf]; dh_ref [bm, bf]; dgu_ref [bm, 2, bf]
   (dgate, dup)."""
   a = gu_ref[:, 0, :].astype(jnp.float32)
@@ -112,7 +147,7 @@ _ONE = pl.BlockSpec((1,), lambda i, j: (0,))
 
 
 @kernel_entry_point("beta1", "beta2", "out_dtype", "config")
-def situ_glu_fwd_kernel(gate_up: jax.Array, num_rows: jax.Array, beta1: float, beta2: float,
+def situ_glu_fwd_kernel(gate_up: jax.Array, num_rows: jax.Array, beta1, beta2,
                         out_dtype, config: SituGluConfig) -> jax.Array:
   """h [M, f] in out_dtype from gate_up [M, 2f] (gate columns first); num_rows [1] int32: rows
   from it on give zeros."""
@@ -173,20 +208,20 @@ def _situ_glu_fused_bwd(beta1, beta2, out_dtype, config, residuals, dh):
 _situ_glu_fused.defvjp(_situ_glu_fused_fwd, _situ_glu_fused_bwd)
 
 
-def situ_glu_fused(gate_up: jax.Array, beta1: float, beta2: float, out_dtype=None,
+def situ_glu_fused(gate_up: jax.Array, beta1: float | None, beta2: float | None, out_dtype=None,
                    config: SituGluConfig = SituGluConfig(),
                    num_rows: jax.Array | int | None = None) -> jax.Array:
   """SiTU-GLU of gate_up [M, 2f] (gate columns, then up columns; any float dtype) -> h [M, f] in
   out_dtype (default gate_up's), differentiable (the backward is the second kernel; the
-  gradient comes back in gate_up's dtype). beta1, beta2 > 0: the SiTU and softcap bounds.
+  gradient comes back in gate_up's dtype). beta1, beta2 > 0: the SiTU and softcap bounds; both
+  None: SwiGLU (silu(gate)·up).
   num_rows: an int or int scalar array (traced is fine); rows r >= num_rows give h[r] = 0 and a
   zero gradient, whatever gate_up[r] holds (NaN included). None: every row is computed."""
   if gate_up.ndim != 2 or gate_up.shape[1] % 2:
     raise ValueError(f"situ_glu_fused: gate_up must be [M, 2f], got shape {gate_up.shape}")
   if not jnp.issubdtype(gate_up.dtype, jnp.floating):
     raise ValueError(f"situ_glu_fused: gate_up must have a floating dtype, got {gate_up.dtype}")
-  if beta1 <= 0 or beta2 <= 0:
-    raise ValueError(f"situ_glu_fused: beta1={beta1} and beta2={beta2} must both be > 0")
+  check_bounds("situ_glu_fused", beta1, beta2)
   out_dtype = jnp.dtype(gate_up.dtype if out_dtype is None else out_dtype)
   if num_rows is None:
     num_rows = gate_up.shape[0]
@@ -194,5 +229,6 @@ def situ_glu_fused(gate_up: jax.Array, beta1: float, beta2: float, out_dtype=Non
   if num_rows.shape != () or not jnp.issubdtype(num_rows.dtype, jnp.integer):
     raise ValueError(f"situ_glu_fused: num_rows must be an int scalar, got {num_rows.dtype}"
                      f"{list(num_rows.shape)}")
-  return _situ_glu_fused(gate_up, num_rows.astype(jnp.int32).reshape(1), float(beta1),
-                         float(beta2), out_dtype, config)
+  as_float = lambda beta: None if beta is None else float(beta)  # noqa: E731
+  return _situ_glu_fused(gate_up, num_rows.astype(jnp.int32).reshape(1), as_float(beta1),
+                         as_float(beta2), out_dtype, config)

@@ -48,6 +48,30 @@ def test_matches_formula_and_keeps_dtype():
   assert h16.dtype == jnp.bfloat16
 
 
+def test_key_norm_gain_scales_the_normed_keys():
+  """attnres_key_norm_gain: scores <g ⊙ RMSNorm(s_i), q> (K3's *_res_norm.weight and
+  *_res_proj.weight), checked by the formula in float64; the gain starts at one, and its gradient
+  is q ⊙ Σ_i (∂L/∂score_i) RMSNorm(s_i), not zero, once q is."""
+  cfg = dataclasses.replace(CFG, attnres_key_norm_gain=True)
+  srcs = _sources(3, seed=3)
+  params = nn.unbox(DepthMix(cfg).init(KEY, srcs)["params"])
+  np.testing.assert_array_equal(np.asarray(params["key_norm_gain"]), np.ones(16))
+  rng = np.random.default_rng(4)
+  w = rng.normal(0, 0.5, 16).astype(np.float32)
+  g = rng.normal(1, 0.5, 16).astype(np.float32)
+  variables = {"params": {"query": jnp.asarray(w), "key_norm_gain": jnp.asarray(g)}}
+  h = DepthMix(cfg).apply(variables, srcs)
+  v = np.stack([np.asarray(s, np.float64) for s in srcs])
+  keys = v / np.sqrt(np.mean(v**2, -1, keepdims=True) + EPS) * g
+  logits = keys @ w
+  alpha = np.exp(logits - logits.max(0)) / np.exp(logits - logits.max(0)).sum(0)
+  np.testing.assert_allclose(np.asarray(h), np.einsum("sbt,sbtd->btd", alpha, v), rtol=1e-5,
+                             atol=1e-5)
+  grads = jax.grad(lambda p: jnp.sum(jnp.sin(DepthMix(cfg).apply({"params": p}, srcs))))(
+      variables["params"])
+  assert float(jnp.max(jnp.abs(grads["key_norm_gain"]))) > 1e-3
+
+
 def test_rejects_bad_sources():
   with pytest.raises(ValueError, match="non-empty"):
     DepthMix(CFG).init(KEY, [])

@@ -82,6 +82,23 @@ def test_layer_matches_numpy(dtype):
   assert params["gate"]["kernel"].shape == (16, 24) and params["out"]["kernel"].shape == (24, 16)
 
 
+def test_swiglu_layer_matches_numpy():
+  """ffn_activation='swiglu': W_out(silu(W_gate x) ⊙ W_up x), with the same parameters as SiTU-GLU
+  (the betas are ignored); large weights so that SiTU-GLU's bounds would show."""
+  cfg = dataclasses.replace(ModelConfig(), ffn_activation="swiglu", init_std=1.0)
+  layer = SiTUGLU(cfg, hidden_dim=24)
+  x = jnp.asarray(np.random.default_rng(4).normal(size=(2, 5, 16)), jnp.float32)
+  params = nn.unbox(jax.jit(layer.init)(jax.random.key(1, impl="rbg"), x)["params"])
+  y = np.asarray(layer.apply({"params": params}, x), np.float64)
+  xn = np.asarray(x, np.float64)
+  wg, wu, wo = (np.asarray(params[n]["kernel"], np.float64) for n in ("gate", "up", "out"))
+  a, b = xn @ wg, xn @ wu
+  np.testing.assert_allclose(y, (a / (1 + np.exp(-a)) * b) @ wo, rtol=1e-5, atol=1e-4)
+  situ_cfg = dataclasses.replace(cfg, ffn_activation="situ_glu")
+  bounded = np.asarray(SiTUGLU(situ_cfg, hidden_dim=24).apply({"params": params}, x))
+  assert np.max(np.abs(bounded - y)) > 1.0
+
+
 def test_chunked_layer_equals_unchunked():
   """chunk_tokens (ImplConfig.position_chunk_tokens): values and gradients (params and input)
   equal the whole-sequence layer, with T not a multiple of the chunk; the parameters are the same

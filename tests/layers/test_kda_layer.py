@@ -84,7 +84,10 @@ def naive_kda_layer(p, x, cfg, seg=None):
         s = s + beta[bi, ti, hi] * np.outer(kt, v[bi, ti, hi] - s.T @ kt)
         o[bi, ti, hi] = s.T @ (qt * dk ** -0.5)
   norm = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + cfg.norm_eps) * p["o_norm"]
-  gate = _sigmoid(np.einsum("btd,dhv->bthv", x, p["g_proj"]))
+  if cfg.kda_output_gate_rank > 0:
+    gate = _sigmoid(np.einsum("btr,rhv->bthv", x @ p["g_a_proj"], p["g_b_proj"]))
+  else:
+    gate = _sigmoid(np.einsum("btd,dhv->bthv", x, p["g_proj"]))
   return np.einsum("bthv,hvd->btd", norm * gate, p["o_proj"])
 
 
@@ -92,9 +95,11 @@ SEG = np.array([[1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 0, 
                 [1] * 22], np.int32)
 
 
-@pytest.mark.parametrize("gate_rank,lower_bound", [(0, -5.0), (4, -5.0), (0, None)])
-def test_matches_naive(gate_rank, lower_bound):
-  cfg = dataclasses.replace(BASE, kda_gate_rank=gate_rank, kda_gate_lower_bound=lower_bound)
+@pytest.mark.parametrize("gate_rank,lower_bound,output_gate_rank",
+                         [(0, -5.0, 0), (4, -5.0, 0), (0, None, 0), (8, None, 8)])
+def test_matches_naive(gate_rank, lower_bound, output_gate_rank):
+  cfg = dataclasses.replace(BASE, kda_gate_rank=gate_rank, kda_gate_lower_bound=lower_bound,
+                            kda_output_gate_rank=output_gate_rank)
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 22, cfg.d_model))
   layer = KDALayer(cfg, IMPL)
   variables = layer.init(jax.random.PRNGKey(1), x)
@@ -120,6 +125,37 @@ def test_init_and_axes():
   a = np.exp(np.asarray(KDALayer(unbounded, IMPL).init(jax.random.PRNGKey(0), jnp.ones(
       (1, 4, BASE.d_model)))["params"]["A_log"].value))
   assert a.min() >= 1.0 and a.max() <= 16.0
+
+
+@pytest.mark.parametrize("a_log_init,lower_bound,zero", [
+    ("auto", -5.0, True), ("auto", None, False), ("zero", None, True),
+    ("log_uniform", -5.0, False)])
+def test_a_log_init(a_log_init, lower_bound, zero):
+  """ModelConfig.kda_a_log_init: zeros, or log U(1, 16) per head (distinct values)."""
+  cfg = dataclasses.replace(BASE, kda_num_heads=8, kda_a_log_init=a_log_init,
+                            kda_gate_lower_bound=lower_bound)
+  a_log = np.asarray(KDALayer(cfg, IMPL).init(jax.random.PRNGKey(0), jnp.ones(
+      (1, 4, cfg.d_model)))["params"]["A_log"].value)
+  if zero:
+    assert np.all(a_log == 0.0)
+  else:
+    assert a_log.min() >= 0.0 and a_log.max() <= np.log(16.0) and len(set(a_log.tolist())) == 8
+
+
+def test_low_rank_output_gate_is_the_full_rank_gate_of_the_product():
+  """kda_output_gate_rank = r: g_a_proj [d, r] and g_b_proj [r, H, V] in place of g_proj; the
+  layer equals the full-rank one whose g_proj is their product (every other parameter shared)."""
+  low = dataclasses.replace(BASE, kda_output_gate_rank=3)
+  x = jax.random.normal(jax.random.PRNGKey(2), (2, 10, BASE.d_model))
+  variables = flax.core.meta.unbox(KDALayer(low, IMPL).init(jax.random.PRNGKey(3), x))
+  p = dict(variables["params"])
+  assert p["g_a_proj"].shape == (16, 3) and p["g_b_proj"].shape == (3, 2, 6)
+  assert "g_proj" not in p
+  full = dict(p)
+  full["g_proj"] = jnp.einsum("dr,rhv->dhv", full.pop("g_a_proj"), full.pop("g_b_proj"))
+  y_low = KDALayer(low, IMPL).apply({"params": p}, x)
+  y_full = KDALayer(BASE, IMPL).apply({"params": full}, x)
+  np.testing.assert_allclose(np.asarray(y_low), np.asarray(y_full), rtol=1e-5, atol=1e-6)
 
 
 def test_packed_rows_equal_separate_documents():

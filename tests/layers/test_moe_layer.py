@@ -85,6 +85,8 @@ def _dense_reference(params, cfg, x, bias):
 
   def glu(v, wg, wu, wo):
     a, b = v @ wg, v @ wu
+    if cfg.ffn_activation == "swiglu":
+      return (a / (1 + np.exp(-a)) * b) @ wo
     b1, b2 = cfg.situ_beta1, cfg.situ_beta2
     return (b1 * np.tanh(a / b1) / (1 + np.exp(-a)) * b2 * np.tanh(b / b2)) @ wo
 
@@ -119,6 +121,9 @@ def _flat(tree, prefix=""):
     ({"moe_latent_norm": False, "moe_balance": "aux_loss"}, ImplConfig()),
     ({}, ImplConfig(moe_grouped_matmul="tokamax")),
     ({}, ImplConfig(moe_grouped_matmul="tiled")),
+    ({"ffn_activation": "swiglu", "moe_latent_dim": 0, "moe_latent_norm": False,
+      "moe_routed_scale": 2.446}, ImplConfig()),
+    ({"ffn_activation": "swiglu"}, ImplConfig(moe_situ_glu="pallas")),
 ])
 def test_latent_moe_matches_dense_reference(overrides, impl):
   cfg = _cfg(**overrides)

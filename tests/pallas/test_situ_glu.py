@@ -93,3 +93,28 @@ def test_out_dtype_and_errors():
     situ_glu_fused(gate_up, B1, B2, config=SMALL_TILES, num_rows=jnp.ones((2,), jnp.int32))
   with pytest.raises(ValueError, match="block_m must be a power of two"):
     SituGluConfig(block_m=24)
+
+
+def test_swiglu_kernels_match_the_closed_form():
+  """Both bounds None: h = silu(a)·b, dh/da = σ(a)(1 + a(1 − σ(a)))·b, dh/db = silu(a), in
+  float64, with wide pre-activations (silu is linear, not flat, for large positive a)."""
+  rng = np.random.default_rng(7)
+  m, f = 21, 24
+  gate_up = jnp.asarray(rng.standard_normal((m, 2 * f)) * 8.0, jnp.float32)
+  dh = jnp.asarray(rng.standard_normal((m, f)), jnp.float32)
+  h, vjp = jax.vjp(lambda x: situ_glu_fused(x, None, None, config=SMALL_TILES), gate_up)
+  (dgu,) = vjp(dh)
+  g = np.asarray(gate_up, np.float64)
+  a, b = g[:, :f], g[:, f:]
+  sig = 1.0 / (1.0 + np.exp(-a))
+  np.testing.assert_allclose(h, a * sig * b, rtol=2e-5, atol=2e-5)
+  dh64 = np.asarray(dh, np.float64)
+  want = np.concatenate([dh64 * sig * (1.0 + a * (1.0 - sig)) * b, dh64 * a * sig], axis=1)
+  np.testing.assert_allclose(dgu, want, rtol=2e-5, atol=2e-4)
+
+
+@pytest.mark.parametrize("betas", [(None, 25.0), (4.0, None), (0.0, 1.0)])
+def test_bounds_must_be_both_positive_or_both_none(betas):
+  gate_up = jnp.ones((4, 8), jnp.float32)
+  with pytest.raises(ValueError, match="both be > 0 .SiTU-GLU. or both None .SwiGLU."):
+    situ_glu_fused(gate_up, *betas, config=SMALL_TILES)
