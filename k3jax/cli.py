@@ -3,6 +3,7 @@
     k3jax train --gin_file=gin_configs/tiny.gin --workdir=runs/tiny
     k3jax evaluate --workdir=runs/tiny [--step=N] [--seq_len=T]
     k3jax generate --workdir=runs/tiny --prompt="def "
+    k3jax convert --from_hf=DIR --workdir=runs/kimi_linear
 
 `k3jax <command> ...` is `python -m k3jax.<command> ...` (k3jax/train.py, evaluate.py,
 generate.py). Every command starts the same way (`start`): extra arguments are refused, orbax's
@@ -28,7 +29,11 @@ from k3jax.runtime import compiler, device_memory, precompile
 
 COMMANDS = {"train": "train a model through the staged curriculum (k3jax/train.py)",
             "evaluate": "evaluate a run's checkpoint (k3jax/evaluate.py)",
-            "generate": "sample text from a run's checkpoint or a fresh model (k3jax/generate.py)"}
+            "generate": "sample text from a run's checkpoint or a fresh model (k3jax/generate.py)",
+            "convert": "a Hugging Face model folder to a run directory and back "
+                       "(k3jax/convert/command.py)"}
+# The module of each command (`define_flags`, `main`), when not k3jax.<command>.
+COMMAND_MODULES = {"convert": "k3jax.convert.command"}
 # Where the commands' shared flags are defined.
 SHARED_FLAG_MODULES = (sys.modules[__name__], compiler, device_memory)
 # Exit codes.
@@ -126,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> None:
   if name not in COMMANDS:
     _usage_error(f"unknown command {name!r}: one of {', '.join(COMMANDS)} (k3jax --help)")
   from absl import app  # pylint: disable=import-outside-toplevel
-  command = importlib.import_module(f"k3jax.{name}")
+  command = importlib.import_module(COMMAND_MODULES.get(name, f"k3jax.{name}"))
   command.define_flags()
   if any(arg in ("-h", "--help", "-?", "--helpshort") for arg in argv[2:]):
     # absl's --help lists the flags of the __main__ module, and the command's are not there.

@@ -297,7 +297,7 @@ class DataConfig:
   source: str = "builtin"
   path: str = ""
   jsonl_field: str = "text"
-  tokenizer: str = "byte"         # byte | sentencepiece | tiktoken
+  tokenizer: str = "byte"         # byte | sentencepiece | tiktoken | kimi
   tokenizer_path: str = ""
   validation_fraction: float = 0.05
   max_bytes: int = 4_000_000      # cap on the builtin corpus size (deterministic subset)
@@ -309,7 +309,7 @@ class DataConfig:
     p = "DataConfig."
     sources = ("builtin", "text", "jsonl", "tokens", "mqar", "passkey")
     _check(self.source in sources, p + "source", f"one of {sources}", self.source)
-    tokenizers = ("byte", "sentencepiece", "tiktoken")
+    tokenizers = ("byte", "sentencepiece", "tiktoken", "kimi")
     _check(self.tokenizer in tokenizers, p + "tokenizer", f"one of {tokenizers}", self.tokenizer)
     if self.source in ("text", "jsonl", "tokens"):
       _check(bool(self.path), p + "path", f"a file or folder path when source={self.source!r}",

@@ -2,6 +2,7 @@ r"""The `train` command: train (or resume) a run in a working directory.
 
   python -m k3jax.train --gin_file=gin_configs/tiny.gin --workdir=DIR \
       [--gin_bindings='ModelConfig.d_model = 64'] [--max_steps=N] [--mesh=data:2,expert:4] [--peak_tflops=989]
+      [--init_from=RUN]
 
 (or `k3jax train ...`). Running the same command again resumes from the latest checkpoint; one
 training process at a time may use a --workdir (its lock). Exit codes: 0 done (or stopped at
@@ -39,6 +40,9 @@ def define_flags() -> None:
                      "(0: a default by backend).")
   flags.DEFINE_bool("progress", True, "Show a tqdm progress bar.")
   flags.DEFINE_bool("tensorboard", True, "Write TensorBoard events to DIR/tb.")
+  flags.DEFINE_string("init_from", None, "Start a new run from the newest checkpoint of this run "
+                      "directory (a training run, or a model imported by `k3jax convert "
+                      "--from_hf`): its parameters, a new optimizer state.")
   flags.DEFINE_bool("take_over_lock", False, "Take the run directory's lock from a run on "
                     "another host that is known to be gone (a dead run on this host is detected "
                     "by itself).")
@@ -63,7 +67,7 @@ def main(argv: Sequence[str]) -> None:
     result = training.train(cfg, FLAGS.workdir, max_steps=FLAGS.max_steps,
                             peak_tflops=FLAGS.peak_tflops, progress=FLAGS.progress,
                             tensorboard=FLAGS.tensorboard, runtime=runtime,
-                            take_over_lock=FLAGS.take_over_lock)
+                            take_over_lock=FLAGS.take_over_lock, init_from=FLAGS.init_from)
     return 0 if result.stopped_by_signal is None else 128 + result.stopped_by_signal
 
   cli.finish(run, failures=(training.NonFiniteLossError, training.StageOutOfMemoryError),

@@ -149,7 +149,7 @@ def test_restoring_commands_are_quiet(trained):
   assert ABSL_INFO.search(verbose.stderr), verbose.stderr
 
 
-COMMANDS = ("train", "evaluate", "generate")
+COMMANDS = ("train", "evaluate", "generate", "convert")
 
 
 def test_tool_help_lists_the_commands():

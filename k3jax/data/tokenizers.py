@@ -1,4 +1,4 @@
-"""Tokenizers: byte-level by default; SentencePiece or tiktoken from a local model file.
+"""Tokenizers: byte-level by default; SentencePiece or tiktoken from a local model file; Kimi's.
 
 Every tokenizer has the same small surface:
   vocab_size: int       ids are in [0, vocab_size)
@@ -23,6 +23,20 @@ IdsLike = Union[np.ndarray, Sequence[int]]
 _TIKTOKEN_PATTERN = (r"""'(?i:[sdmt]|ll|ve|re)|[^\r\n\p{L}\p{N}]?+\p{L}+|\p{N}{1,3}|"""
                      r""" ?[^\s\p{L}\p{N}]++[\r\n]*|\s*[\r\n]|\s+(?!\S)|\s+""")
 _TIKTOKEN_BOS = "<|endoftext|>"
+# Kimi's pre-tokenisation (its release's tokenization_kimi.py): runs of Han characters apart,
+# cased words without Han, up to three digits, punctuation runs, newlines, spaces. `&&` is a
+# character-class intersection, which tiktoken's regex engine supports.
+_NOT_HAN_UPPER = r"[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_NOT_HAN_LOWER = r"[\p{Ll}\p{Lm}\p{Lo}\p{M}&&[^\p{Han}]]"
+_CONTRACTIONS = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+KIMI_PATTERN = "|".join([
+    r"[\p{Han}]+",
+    r"[^\r\n\p{L}\p{N}]?" + _NOT_HAN_UPPER + "*" + _NOT_HAN_LOWER + "+" + _CONTRACTIONS,
+    r"[^\r\n\p{L}\p{N}]?" + _NOT_HAN_UPPER + "+" + _NOT_HAN_LOWER + "*" + _CONTRACTIONS,
+    r"\p{N}{1,3}", r" ?[^\s\p{L}\p{N}]+[\r\n]*", r"\s*[\r\n]+", r"\s+(?!\S)", r"\s+"])
+# Kimi reserves this many ids after the BPE ranks for special tokens (named ones come from
+# tokenizer_config.json's added_tokens_decoder).
+KIMI_RESERVED_SPECIAL = 258
 
 
 class Tokenizer(Protocol):
@@ -132,8 +146,61 @@ class TiktokenTokenizer:
     return f"TiktokenTokenizer({self._path!r})"
 
 
+class KimiTokenizer:
+  """Kimi's tokenizer (Kimi-Linear, K2, K3): the release's `tiktoken.model` BPE ranks, its
+  pre-tokenisation (KIMI_PATTERN), and the special tokens named in the `tokenizer_config.json`
+  beside it (`added_tokens_decoder`: id -> {'content': ...}; ids from the number of ranks on).
+  BOS is its `bos_token` ('[BOS]'). vocab_size is one past the largest id it can produce (a named
+  special token or a rank); the model's embedding may be larger.
+  """
+
+  def __init__(self, model_path: str):
+    tiktoken = _import_optional("tiktoken", "tiktoken", "kimi")
+    import tiktoken.load  # noqa: F401  (the submodule is not imported by the package)
+    import json  # pylint: disable=import-outside-toplevel
+    if not os.path.isfile(model_path):
+      raise ValueError(f"DataConfig.tokenizer_path={model_path!r} is not an existing file")
+    config_path = os.path.join(os.path.dirname(model_path), "tokenizer_config.json")
+    if not os.path.isfile(config_path):
+      raise ValueError(f"DataConfig.tokenizer='kimi' needs tokenizer_config.json beside "
+                       f"{model_path!r} (the special tokens)")
+    with open(config_path) as f:
+      config = json.load(f)
+    ranks = tiktoken.load.load_tiktoken_bpe(model_path)
+    base = len(ranks)
+    named = {int(i): (t["content"] if isinstance(t, dict) else str(t))
+             for i, t in config.get("added_tokens_decoder", {}).items()}
+    special = {named.get(i, f"<|reserved_token_{i}|>"): i
+               for i in range(base, base + KIMI_RESERVED_SPECIAL)}
+    special.update({content: i for i, content in named.items()})
+    bos = config.get("bos_token", "[BOS]")
+    bos = bos["content"] if isinstance(bos, dict) else bos
+    if bos not in special:
+      raise ValueError(f"{config_path}: bos_token {bos!r} is not among its added_tokens_decoder")
+    self._path = model_path
+    self.bos_id = special[bos]
+    self.vocab_size = max([base - 1] + list(named)) + 1
+    self._enc = tiktoken.Encoding(name=os.path.basename(model_path), pat_str=KIMI_PATTERN,
+                                  mergeable_ranks=ranks, special_tokens=special)
+
+  def encode(self, text: str) -> np.ndarray:
+    # As for TiktokenTokenizer: special tokens in the text stay text.
+    return np.asarray(self._enc.encode_ordinary(text), dtype=np.int32)
+
+  def decode(self, ids: IdsLike) -> str:
+    ids = np.asarray(ids).reshape(-1)
+    return self._enc.decode([int(i) for i in ids if i != self.bos_id], errors="replace")
+
+  def __repr__(self) -> str:
+    return f"KimiTokenizer({self._path!r})"
+
+
+TOKENIZERS = ("byte", "sentencepiece", "tiktoken", "kimi")
+
+
 def make_tokenizer(name: str = "byte", path: str = "") -> Tokenizer:
-  """Builds the tokenizer `name` ('byte' | 'sentencepiece' | 'tiktoken'); `path` is the model file.
+  """Builds the tokenizer `name` (one of TOKENIZERS); `path` is the model file (for 'kimi', the
+  release's tiktoken.model, with tokenizer_config.json beside it).
 
   Raises:
     ValueError: unknown name, missing model file, or the optional library is not installed (the
@@ -141,11 +208,12 @@ def make_tokenizer(name: str = "byte", path: str = "") -> Tokenizer:
   """
   if name == "byte":
     return ByteTokenizer()
-  if name in ("sentencepiece", "tiktoken") and not path:
+  if name in TOKENIZERS and not path:
     raise ValueError(f"DataConfig.tokenizer_path is empty; tokenizer={name!r} needs a model file")
   if name == "sentencepiece":
     return SentencePieceTokenizer(path)
   if name == "tiktoken":
     return TiktokenTokenizer(path)
-  raise ValueError(f"DataConfig.tokenizer={name!r} is not allowed: one of ('byte', "
-                   "'sentencepiece', 'tiktoken')")
+  if name == "kimi":
+    return KimiTokenizer(path)
+  raise ValueError(f"DataConfig.tokenizer={name!r} is not allowed: one of {TOKENIZERS}")

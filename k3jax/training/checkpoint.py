@@ -193,6 +193,30 @@ class Checkpointer:
         ),
         force=True)
 
+  def save_model(self, step: int, *, params: PyTree, moe_state: PyTree, meta: dict) -> None:
+    """Saves the 'model' and 'meta' items of `step` only (an imported model: no optimizer state,
+    `meta['imported_from']` says from where), and waits until the step is finalised. Inference
+    restores it (`restore_model`); training refuses it (`is_model_only`) and starts a new run
+    from it instead (`k3jax train --init_from`)."""
+    if self.read_only:
+      raise RuntimeError(f"Checkpointer({self.directory!r}, read_only=True) cannot save")
+    self._manager.save(
+        step,
+        args=ocp.args.Composite(
+            model=ocp.args.StandardSave({"params": params, "moe_state": moe_state}),
+            meta=ocp.args.JsonSave(dict(meta, step=int(step)))),
+        force=True)
+    self._manager.wait_until_finished()
+
+  def meta(self, step: int) -> dict:
+    """The 'meta' item of `step` (JSON; no array is read)."""
+    out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))
+    return dict(out.meta)
+
+  def is_model_only(self, step: int) -> bool:
+    """Whether `step` was written by `save_model` (no 'train' item)."""
+    return "imported_from" in self.meta(step)
+
   def stored_shapes(self, step: int, item: str) -> dict:
     """`flat_shapes` of item 'model' or 'train' of `step`, from its metadata (no array data)."""
     return flat_shapes(self._manager.item_metadata(step)[item])

@@ -68,8 +68,14 @@ class TrainResult:
 
 def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = None,
           peak_tflops: float = 0.0, progress: bool = True, tensorboard: bool = True,
-          runtime: Optional[Runtime] = None, take_over_lock: bool = False) -> TrainResult:
+          runtime: Optional[Runtime] = None, take_over_lock: bool = False,
+          init_from: Optional[str] = None) -> TrainResult:
   """Trains (or resumes training) in `workdir` until all stages are done or `max_steps`.
+
+  init_from: a run directory (a training run, or a model imported by `k3jax.convert`) whose
+    newest checkpoint's parameters and balance biases start a new run, with a new optimizer
+    state; the model configs must give the same parameter shapes. Ignored when `workdir` already
+    holds checkpoints (the run resumes).
 
   runtime: how the programs are compiled and run (default `Runtime(cfg.runtime)`, no
     lowered-program cache; the CLI keeps one in <--compilation_cache_dir>/lowered).
@@ -89,15 +95,18 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   # What needs no run directory is checked before one is created: the data and the mesh.
   data = make_data(cfg)
   mesh = sharding_lib.make_run_mesh(cfg)
+  if init_from is not None:
+    _check_init_from(cfg, init_from)
   with run_dir.RunDirectory(workdir, lock=jax.process_index() == 0,
                             take_over_lock=take_over_lock) as directory:
     return _train(cfg, directory, data, mesh, runtime, max_steps=max_steps,
-                  peak_tflops=peak_tflops, progress=progress, tensorboard=tensorboard)
+                  peak_tflops=peak_tflops, progress=progress, tensorboard=tensorboard,
+                  init_from=init_from)
 
 
 def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, runtime: Runtime,
            *, max_steps: Optional[int], peak_tflops: float, progress: bool,
-           tensorboard: bool) -> TrainResult:
+           tensorboard: bool, init_from: Optional[str] = None) -> TrainResult:
   """`train` in its locked run directory: set-up, restore, the loop, the report."""
   workdir = directory.path
   scfg = cfg.stages
@@ -123,8 +132,10 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, 
   # Restore the run so far, or initialise a new one.
   try:
     state = init_train_state(cfg, total_steps, mesh, runtime)[0]
-    state, start = _restore(cfg, workdir, ckpt, state,
-                            jax.tree.map(lambda x: x.sharding, state_shapes))
+    shardings = jax.tree.map(lambda x: x.sharding, state_shapes)
+    state, start = _restore(cfg, workdir, ckpt, state, shardings)
+    if start is None and init_from is not None:
+      state = _initialise_from(cfg, init_from, state, shardings)
   except BaseException:
     ckpt.close()
     if programs is not None:
@@ -317,6 +328,11 @@ def _restore(cfg: config_lib.Config, workdir: str, ckpt: checkpoint_lib.Checkpoi
         f"--workdir={workdir} holds checkpoint step {latest}, past the end of StagesConfig.stages "
         f"= {cfg.stages.stages} ({total} steps): lengthen the stages to resume this run, or use a "
         "new --workdir")
+  if latest is not None and ckpt.is_model_only(latest):
+    raise config_lib.ConfigError(
+        f"--workdir={workdir} holds a model imported by k3jax.convert (checkpoint step {latest}, "
+        f"no optimizer state): train from it in a new run with --init_from={workdir} and another "
+        "--workdir")
   changes = run_dir.changed_settings(workdir, cfg)
   try:
     restored = ckpt.restore_latest(params=state.params, moe_state=state.moe_state,
@@ -352,6 +368,49 @@ def _restore(cfg: config_lib.Config, workdir: str, ckpt: checkpoint_lib.Checkpoi
   state = jax.device_put(state, shardings)
   print(f"resuming from step {start} (stage {cfg.stages.stage_at(max(start - 1, 0))})")
   return state, start
+
+
+def _check_init_from(cfg: config_lib.Config, init_from: str) -> None:
+  """ConfigError unless `init_from` is a run directory with a checkpoint whose model has the
+  parameter shapes of cfg.model (checked on the configs, before anything is read or made)."""
+  if not os.path.isfile(os.path.join(init_from, run_dir.CONFIG_GIN)):
+    raise config_lib.ConfigError(f"--init_from={init_from} is not a k3jax run directory (no "
+                                 f"{run_dir.CONFIG_GIN})")
+  source = run_dir.read_config(init_from).model
+  want = jax.eval_shape(lambda: init_model_shapes(cfg.model))
+  have = jax.eval_shape(lambda: init_model_shapes(source))
+  differences = checkpoint_lib.tree_differences(checkpoint_lib.flat_shapes(have),
+                                                checkpoint_lib.flat_shapes(want))
+  if differences:
+    shown = "; ".join(differences[:2]) + (f"; and {len(differences) - 2} more"
+                                          if len(differences) > 2 else "")
+    fields = run_dir.config_differences(config_lib.to_gin(config_lib.Config(model=source)),
+                                        config_lib.to_gin(config_lib.Config(model=cfg.model)))
+    raise config_lib.ConfigError(
+        f"--init_from={init_from}: its model does not fit this config's ({shown}). ModelConfig "
+        f"settings that differ: {'; '.join(f for f in fields if f.startswith('ModelConfig.'))}")
+
+
+def init_model_shapes(model_cfg: config_lib.ModelConfig) -> dict:
+  """{'params', 'moe_state'} of a model in the per-layer layout (for shape comparisons)."""
+  from k3jax.model import init_variables  # pylint: disable=import-outside-toplevel
+  variables = init_variables(model_cfg, jax.random.key(0),
+                             impl=config_lib.ImplConfig(scan_layers=False))
+  return {name: variables[name] for name in ("params", "moe_state")}
+
+
+def _initialise_from(cfg: config_lib.Config, init_from: str, state: TrainState,
+                     shardings) -> TrainState:
+  """`state` with the parameters and balance biases of `init_from`'s newest checkpoint (in this
+  run's layout, dtypes and placement); the optimizer state stays the fresh one."""
+  _, params, moe_state, meta = checkpoint_lib.restore_run(init_from, log=lambda line: print(
+      f"warning: {line}", file=sys.stderr))
+  params, moe_state = (to_layout(t, cfg.model, cfg.impl.scan_layers) for t in (params, moe_state))
+  cast = lambda new, like: jnp.asarray(new, like.dtype)  # noqa: E731
+  state = state.replace(params=jax.tree.map(cast, params, state.params),
+                        moe_state=jax.tree.map(cast, moe_state, state.moe_state))
+  print(f"initialised from {init_from} (its checkpoint step {meta['step']})")
+  return jax.device_put(state, shardings)
 
 
 # ------------------------------------------------------------------------------------------------
