@@ -214,8 +214,13 @@ class Checkpointer:
     return dict(out.meta)
 
   def is_model_only(self, step: int) -> bool:
-    """Whether `step` was written by `save_model` (no 'train' item)."""
-    return "imported_from" in self.meta(step)
+    """Whether `step` was written by `save_model` (no 'train' item). A step whose meta cannot be
+    read is not: the restore reports it as damaged (`restore_latest`)."""
+    try:
+      with _unraisable_swallowed():
+        return "imported_from" in self.meta(step)
+    except Exception:  # pylint: disable=broad-except  (orbax and tensorstore raise many types)
+      return False
 
   def stored_shapes(self, step: int, item: str) -> dict:
     """`flat_shapes` of item 'model' or 'train' of `step`, from its metadata (no array data)."""
