@@ -36,7 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from k3jax import config as config_lib
-from k3jax.model import K3Model, flops_per_token, to_layout
+from k3jax.model import K3Model, flops_per_token, init_variables, to_layout
 from k3jax.model.stats import max_violation, moe_stats_by_layer
 from k3jax.parallel import sharding as sharding_lib
 from k3jax.runtime import Runtime, train_program_name, validation_program_name
@@ -377,8 +377,8 @@ def _check_init_from(cfg: config_lib.Config, init_from: str) -> None:
     raise config_lib.ConfigError(f"--init_from={init_from} is not a k3jax run directory (no "
                                  f"{run_dir.CONFIG_GIN})")
   source = run_dir.read_config(init_from).model
-  want = jax.eval_shape(lambda: init_model_shapes(cfg.model))
-  have = jax.eval_shape(lambda: init_model_shapes(source))
+  want = jax.eval_shape(lambda: _model_variables(cfg.model))
+  have = jax.eval_shape(lambda: _model_variables(source))
   differences = checkpoint_lib.tree_differences(checkpoint_lib.flat_shapes(have),
                                                 checkpoint_lib.flat_shapes(want))
   if differences:
@@ -391,9 +391,8 @@ def _check_init_from(cfg: config_lib.Config, init_from: str) -> None:
         f"settings that differ: {'; '.join(f for f in fields if f.startswith('ModelConfig.'))}")
 
 
-def init_model_shapes(model_cfg: config_lib.ModelConfig) -> dict:
-  """{'params', 'moe_state'} of a model in the per-layer layout (for shape comparisons)."""
-  from k3jax.model import init_variables  # pylint: disable=import-outside-toplevel
+def _model_variables(model_cfg: config_lib.ModelConfig) -> dict:
+  """{'params', 'moe_state'} of a model in the per-layer layout (traced for its shapes)."""
   variables = init_variables(model_cfg, jax.random.key(0),
                              impl=config_lib.ImplConfig(scan_layers=False))
   return {name: variables[name] for name in ("params", "moe_state")}
@@ -402,7 +401,8 @@ def init_model_shapes(model_cfg: config_lib.ModelConfig) -> dict:
 def _initialise_from(cfg: config_lib.Config, init_from: str, state: TrainState,
                      shardings) -> TrainState:
   """`state` with the parameters and balance biases of `init_from`'s newest checkpoint (in this
-  run's layout, dtypes and placement); the optimizer state stays the fresh one."""
+  run's layout, dtypes and placement); the optimizer state stays the fresh one. The checkpoint is
+  read whole to the host first (a 48B-parameter model in float32: 196 GB of host memory)."""
   _, params, moe_state, meta = checkpoint_lib.restore_run(init_from, log=lambda line: print(
       f"warning: {line}", file=sys.stderr))
   params, moe_state = (to_layout(t, cfg.model, cfg.impl.scan_layers) for t in (params, moe_state))
