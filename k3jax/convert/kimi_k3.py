@@ -51,7 +51,7 @@ from typing import Callable, Optional
 import ml_dtypes
 import numpy as np
 
-from k3jax.config import ConfigError, ModelConfig
+from k3jax.config import ModelConfig
 from k3jax.convert import mxfp4
 from k3jax.convert import kimi_linear
 from k3jax.convert.kimi_linear import ConvertError, ImportRule, Source
@@ -228,11 +228,7 @@ def config_from_hf(hf: dict, dtype: Optional[str] = None,
       moe_qb_cutoff="token",
       attnres=True, attnres_block_size=int(f.require("attn_res_block_size")),
       attnres_key_norm_gain=True)
-  try:
-    cfg.validate()
-  except ConfigError as e:
-    raise ConvertError(f"config.json gives a model k3jax refuses: {e}") from None
-  return cfg
+  return kimi_linear.validated(cfg)
 
 
 def check_expressible(cfg: ModelConfig) -> None:

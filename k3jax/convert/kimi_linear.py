@@ -184,6 +184,12 @@ def config_from_hf(hf: dict, dtype: Optional[str] = None,
       moe_shared_dim=int(_require(hf, "moe_intermediate_size")),
       moe_routed_scale=float(_get(hf, "routed_scaling_factor", default=1.0)),
       attnres=False)
+  return validated(cfg)
+
+
+def validated(cfg: ModelConfig) -> ModelConfig:
+  """cfg, once `ModelConfig.validate` accepts it; else ConvertError (the config.json asks for a
+  model k3jax refuses). Every format's `config_from_hf` ends with it."""
   try:
     cfg.validate()
   except ConfigError as e:

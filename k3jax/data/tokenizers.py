@@ -143,15 +143,16 @@ class TiktokenTokenizer:
     return self._enc.decode([int(i) for i in ids if i != self.bos_id], errors="replace")
 
   def __repr__(self) -> str:
-    return f"TiktokenTokenizer({self._path!r})"
+    return f"{type(self).__name__}({self._path!r})"
 
 
-class KimiTokenizer:
+class KimiTokenizer(TiktokenTokenizer):
   """Kimi's tokenizer (Kimi-Linear, K2, K3): the release's `tiktoken.model` BPE ranks, its
   pre-tokenisation (KIMI_PATTERN), and the special tokens named in the `tokenizer_config.json`
   beside it (`added_tokens_decoder`: id -> {'content': ...}; ids from the number of ranks on).
   BOS is its `bos_token` ('[BOS]'). vocab_size is one past the largest id it can produce (a named
-  special token or a rank); the model's embedding may be larger.
+  special token or a rank); the model's embedding may be larger. Encoding and decoding are
+  TiktokenTokenizer's.
   """
 
   def __init__(self, model_path: str):
@@ -182,17 +183,6 @@ class KimiTokenizer:
     self.vocab_size = max([base - 1] + list(named)) + 1
     self._enc = tiktoken.Encoding(name=os.path.basename(model_path), pat_str=KIMI_PATTERN,
                                   mergeable_ranks=ranks, special_tokens=special)
-
-  def encode(self, text: str) -> np.ndarray:
-    # As for TiktokenTokenizer: special tokens in the text stay text.
-    return np.asarray(self._enc.encode_ordinary(text), dtype=np.int32)
-
-  def decode(self, ids: IdsLike) -> str:
-    ids = np.asarray(ids).reshape(-1)
-    return self._enc.decode([int(i) for i in ids if i != self.bos_id], errors="replace")
-
-  def __repr__(self) -> str:
-    return f"KimiTokenizer({self._path!r})"
 
 
 TOKENIZERS = ("byte", "sentencepiece", "tiktoken", "kimi")
