@@ -44,6 +44,7 @@ DTYPES = ("float32", "bfloat16")
 BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 FFN_ACTIVATIONS = ("situ_glu", "swiglu")
 A_LOG_INITS = ("auto", "zero", "log_uniform")
+QB_CADENCES = ("step", "microbatch")
 KDA_BACKENDS = ("auto", "xla", "pallas")
 # The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
 # k3jax.ops.kernel_choice.
@@ -122,8 +123,17 @@ class ModelConfig:
   # 'per_expert': each expert's bar is the score it must beat to enter the token's top-k (k-th
   # largest for outsiders, (k+1)-th for chosen); 'token': K3's single (k+1)-th-largest cutoff.
   moe_qb_cutoff: str = "per_expert"
-  moe_qb_histogram_bins: int = 0  # 0: exact sort-based quantile; >0: all-reduced histograms
+  # > 0: the quantile from per-expert histograms of this many bins over [min b - 1, max b + 1]
+  # (K3's; int32 counts that add exactly over micro-batches and devices); 0: the exact quantile
+  # from each expert's ~m*k/E largest margins, pooled by merging (memory ~ step tokens * k).
+  moe_qb_histogram_bins: int = 1000
   moe_qb_interval: int = 1        # update the QB bias every N steps
+  # 'step': one QB update per optimizer step from the statistics of all its micro-batches and
+  # devices, every micro-batch routed with the step's bias. 'microbatch': micro-batch i routes with
+  # the bias computed from micro-batch i-1 alone and the step keeps the last (fresher within a step,
+  # each update from fewer tokens, and the result depends on the micro-batching); see
+  # docs/architecture.md §4.4. Both are the same without micro-batches.
+  moe_qb_cadence: str = "step"
   moe_loss_free_rate: float = 1e-3
   moe_aux_loss_coef: float = 1e-2
   moe_capacity_factor: float = 0.0  # 0: dropless; >0: per-expert capacity = factor * balanced load
@@ -192,8 +202,11 @@ class ModelConfig:
              self.moe_qb_rate)
       _check(self.moe_qb_cutoff in ("per_expert", "token"), p + "moe_qb_cutoff",
              "one of ('per_expert', 'token')", self.moe_qb_cutoff)
-      _check(self.moe_qb_histogram_bins == 0 or self.moe_qb_histogram_bins >= 2,
+      _check(isinstance(self.moe_qb_histogram_bins, int)
+             and (self.moe_qb_histogram_bins == 0 or self.moe_qb_histogram_bins >= 2),
              p + "moe_qb_histogram_bins", "0 (exact) or an integer >= 2", self.moe_qb_histogram_bins)
+      _check(self.moe_qb_cadence in QB_CADENCES, p + "moe_qb_cadence", f"one of {QB_CADENCES}",
+             self.moe_qb_cadence)
       _check(self.moe_capacity_factor == 0.0 or self.moe_capacity_factor >= 1.0,
              p + "moe_capacity_factor", "0 (dropless) or a float >= 1", self.moe_capacity_factor)
       _check(self.first_k_dense < self.num_layers, p + "first_k_dense",

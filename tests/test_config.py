@@ -30,6 +30,8 @@ def test_bindings_override_files():
     ("ModelConfig.kda_gate_lower_bound = -7.0", "ModelConfig.kda_gate_lower_bound"),
     ("ModelConfig.moe_top_k = 8", "ModelConfig.moe_top_k"),
     ("ModelConfig.moe_balance = 'magic'", "ModelConfig.moe_balance"),
+    ("ModelConfig.moe_qb_cadence = 'token'", "ModelConfig.moe_qb_cadence"),
+    ("ModelConfig.moe_qb_histogram_bins = 1", "ModelConfig.moe_qb_histogram_bins"),
     ("ModelConfig.kda_chunk_size = 24", "ModelConfig.kda_chunk_size"),
     ("ImplConfig.kda_conv_kernel = 'triton'", "ImplConfig.kda_conv_kernel"),
     ("ImplConfig.moe_situ_glu = 'triton'", "ImplConfig.moe_situ_glu"),
@@ -49,6 +51,13 @@ def test_bindings_override_files():
 def test_bad_values_name_the_field(binding, field):
   with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
     config_lib.from_gin([], [binding])
+
+
+def test_qb_cadence_error_says_what_is_allowed():
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"ModelConfig.moe_qb_cadence = 'token' is not allowed: one of "
+                           r"\('step', 'microbatch'\)"):
+    config_lib.from_gin([], ["ModelConfig.moe_qb_cadence = 'token'"])
 
 
 def test_unknown_parameter_and_missing_file_are_errors():
@@ -220,7 +229,9 @@ def test_read_config_reads_a_run_directory_written_before_the_move(tmp_path):
       "ImplConfig.attention_impl = 'auto'", "ImplConfig.stage_remat = ('none', 'full')",
       "RuntimeConfig.microbatch_loop = 'host'", "RuntimeConfig.precompile = 'off'",
       # The buckets that run was written with (the default then; () derives them now).
-      "EvalConfig.position_buckets = (0, 1024, 8192, 65536, 262144)"])
+      "EvalConfig.position_buckets = (0, 1024, 8192, 65536, 262144)",
+      # Likewise the exact QB quantile (the default then; 1000 histogram bins now).
+      "ModelConfig.moe_qb_histogram_bins = 0"])
   assert cfg == expected
   assert len(notes) == 1 and "\n" not in notes[0]
   assert notes[0].startswith(f"{tmp_path / 'config.gin'} was written with settings that have "
@@ -228,11 +239,13 @@ def test_read_config_reads_a_run_directory_written_before_the_move(tmp_path):
   assert "ModelConfig.scan_layers -> ImplConfig.scan_layers" in notes[0]
   assert "StagesConfig.remat -> ImplConfig.stage_remat" in notes[0]
   assert "'auto_mosaic_bwd' -> 'auto'" in notes[0]
-  # A resumed run compares the stored settings under their new names: nothing changed.
-  assert run_dir.changed_settings(str(tmp_path), expected) == []
+  # A resumed run compares the stored settings under their new names: nothing changed but the
+  # setting added since (which the resumed run is told of).
+  added = ["ModelConfig.moe_qb_cadence: (unset) -> 'step'"]
+  assert run_dir.changed_settings(str(tmp_path), expected) == added
   assert run_dir.changed_settings(
       str(tmp_path), dataclasses.replace(expected, impl=dataclasses.replace(
-          expected.impl, scan_layers=True))) == ["ImplConfig.scan_layers: False -> True"]
+          expected.impl, scan_layers=True))) == ["ImplConfig.scan_layers: False -> True"] + added
 
 
 def test_read_config_of_a_current_run_directory(tmp_path):

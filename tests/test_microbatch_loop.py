@@ -93,12 +93,15 @@ def _assert_same_training(host, scan):
     # One micro-batch: the gradients' program, then the update's (QK-Clip's max logits and the
     # balance state pass between them).
     ["OptimizerConfig.qk_clip_tau = 2.0"],
-    # Quantile Balancing threads its biases through the 2 micro-batches (16 tokens a row, 4 rows).
+    # Quantile Balancing pools its statistics over the 2 micro-batches (16 tokens a row, 4 rows).
     ["StagesConfig.microbatch_tokens = 32"],
+    # ... or, with the 'microbatch' cadence, threads its biases through them (exact quantile).
+    ["StagesConfig.microbatch_tokens = 32", "ModelConfig.moe_qb_cadence = 'microbatch'",
+     "ModelConfig.moe_qb_histogram_bins = 0"],
     # 4 micro-batches of one row; aux losses and QK-Clip's max logits accumulate.
     ["StagesConfig.microbatch_tokens = 16", "ModelConfig.moe_balance = 'aux_loss'",
      "OptimizerConfig.qk_clip_tau = 2.0"],
-], ids=["1_micro_qkclip", "2_micro_qb", "4_micro_aux_qkclip"])
+], ids=["1_micro_qkclip", "2_micro_qb", "2_micro_qb_chained", "4_micro_aux_qkclip"])
 def test_host_loop_equals_scan(bindings):
   """Two fp32 steps of tiny.gin's model: the host loop of programs gives the scan's losses, grad
   norms, MoE stats, parameters, optimizer and balance state (<= 1e-6 relative)."""

@@ -21,6 +21,7 @@ from k3jax import config as config_lib
 from k3jax import training as train_lib
 from k3jax.model import K3Model
 from k3jax.model.stats import moe_stats_by_layer
+from k3jax.parallel import sharding as sharding_lib
 from k3jax.parallel.sharding import make_run_mesh
 from k3jax.training import accumulate as accumulate_lib
 from k3jax.training import loop as loop_lib
@@ -392,15 +393,92 @@ def test_microbatches_give_the_whole_batch_gradient():
   assert abs(float(m_micro["grad_norm"]) - grad_norm) <= 1e-5 * grad_norm
 
 
-def test_microbatches_thread_the_qb_state():
-  """With Quantile Balancing, a micro-batched step carries the biases through its micro-batches:
-  they move, and end elsewhere than after one update on the whole batch."""
-  moe0, micro, _ = _one_step(["StagesConfig.microbatch_tokens = 32"])
-  _, whole, _ = _one_step([])
-  b0 = np.concatenate([np.ravel(x) for x in jax.tree.leaves(moe0)])
-  b_micro = np.concatenate([np.ravel(x) for x in jax.tree.leaves(micro.moe_state)])
-  b_whole = np.concatenate([np.ravel(x) for x in jax.tree.leaves(whole.moe_state)])
-  assert not np.allclose(b_micro, b0) and not np.allclose(b_micro, b_whole)
+# One stage of 16 rows of 16 tokens: 8 micro-batches of 2 rows, or 2 of 8 rows (one row per device
+# of an 8-device mesh).
+QB_STEP = ["StagesConfig.tokens_per_step = 256", "StagesConfig.stages = ((16, 3),)"]
+
+
+def _balance_after_one_step(bindings, mesh_axes=""):
+  """(initial 'moe_state', 'moe_state' after one training step) on host, for TINY + QB_STEP +
+  `bindings` on `mesh_axes` (one device when empty), from the same initial state and batch (some
+  padding, unequal loss-mask counts per micro-batch)."""
+  cfg = config_lib.from_gin([], TINY + QB_STEP + bindings + [f"MeshConfig.axes = {mesh_axes!r}"])
+  mesh = make_run_mesh(cfg)
+  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10, mesh=mesh)
+  kwargs = {}
+  if mesh is not None:
+    kwargs = dict(state_shardings=jax.tree.map(lambda x: x.sharding, state),
+                  batch_shardings=sharding_lib.batch_sharding(mesh))
+  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
+                                   **kwargs)
+  rng = np.random.default_rng(0)
+  rows, seq_len = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
+  tokens = rng.integers(1, 257, (rows, seq_len + 1)).astype(np.int32)
+  segments = np.ones((rows, seq_len), np.int32)
+  segments[::3, -5:] = 0
+  batch = {"inputs": tokens[:, :-1], "targets": tokens[:, 1:], "segment_ids": segments,
+           "loss_mask": (rng.random((rows, seq_len)) > 0.3).astype(np.float32) * (segments > 0)}
+  initial = jax.device_get(state.moe_state)       # the step donates `state`
+  if mesh is None:
+    new_state, _ = step(state, jax.tree.map(jnp.asarray, batch))
+  else:
+    with sharding_lib.with_mesh(mesh):
+      new_state, _ = step(state, sharding_lib.shard_batch(batch, mesh))
+  return initial, jax.device_get(new_state.moe_state)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", [
+    # Histogram QB (the default, 1000 bins): int32 counts add exactly, so bit for bit.
+    ["ModelConfig.moe_qb_histogram_bins = 1000"],
+    # Exact QB: each expert's largest margins, merged over micro-batches. Their values are the
+    # router's fp32 scores, which a differently blocked program may round differently in the last
+    # bit (bit-identical here on XLA:CPU): 1e-6 of a bias whose entries are ~1e-3 to 1e-1.
+    ["ModelConfig.moe_qb_histogram_bins = 0"],
+    # Loss-free: one sign step per optimizer step from the step's pooled load.
+    ["ModelConfig.moe_balance = 'loss_free'"],
+], ids=["histogram", "exact", "loss_free"])
+def test_balance_update_is_once_per_step_whatever_the_split(balance):
+  """The biases after one step are those of the whole batch at once (1 micro-batch, one device)
+  with 8 micro-batches in the 'scan' and the 'host' loop, and on 8-device data:2 x expert:4 (2
+  micro-batches) and data:8 meshes: the statistics are pooled over the micro-batches and the
+  devices, and the bias is updated once, from all of them."""
+  initial, reference = _balance_after_one_step(balance)
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  moved = flat(reference) - flat(initial)
+  if balance[0].startswith("ModelConfig.moe_balance = 'loss_free'"):
+    steps = np.abs(moved) / 1e-3        # one sign step (or none at the mean load), not 8
+    assert np.all((np.abs(steps - 1) < 1e-3) | (steps < 1e-3)) and np.max(steps) > 0.5
+  else:
+    assert np.max(np.abs(moved)) > 1e-4
+  exact = balance == ["ModelConfig.moe_qb_histogram_bins = 0"]
+  cases = {"8 micro-batches, scan": (["StagesConfig.microbatch_tokens = 32"], ""),
+           "8 micro-batches, host loop": (["StagesConfig.microbatch_tokens = 32",
+                                           "RuntimeConfig.microbatch_loop = 'host'"], ""),
+           "data:2,expert:4, 2 micro-batches": (["StagesConfig.microbatch_tokens = 128"],
+                                                "data:2,expert:4"),
+           "data:8": ([], "data:8")}
+  for name, (bindings, mesh_axes) in cases.items():
+    _, got = _balance_after_one_step(balance + bindings, mesh_axes)
+    assert jax.tree.structure(got) == jax.tree.structure(reference)
+    if exact:
+      np.testing.assert_allclose(flat(got), flat(reference), rtol=0, atol=1e-6, err_msg=name)
+    else:
+      np.testing.assert_array_equal(flat(got), flat(reference), err_msg=name)
+
+
+def test_microbatch_cadence_chains_the_qb_bias():
+  """ModelConfig.moe_qb_cadence = 'microbatch': each micro-batch updates the bias from its own
+  tokens and the next routes with it, so 8 micro-batches end elsewhere than the step's one
+  update from all of them; with one micro-batch the two cadences are the same."""
+  chained = ["ModelConfig.moe_qb_cadence = 'microbatch'"]
+  flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
+  initial, once = _balance_after_one_step(["StagesConfig.microbatch_tokens = 32"])
+  _, chain = _balance_after_one_step(chained + ["StagesConfig.microbatch_tokens = 32"])
+  assert not np.allclose(flat(chain), flat(initial)) and not np.allclose(flat(chain), flat(once))
+  _, whole_chained = _balance_after_one_step(chained)
+  _, whole = _balance_after_one_step([])
+  np.testing.assert_array_equal(flat(whole_chained), flat(whole))
 
 
 def test_microbatch_tokens_config_errors():

@@ -104,3 +104,68 @@ def segment_attention(q, k, v, segment_ids, *, causal: bool, scale: float,
   if zero_padding:
     out = jnp.where((seg != 0)[:, :, None, None], out, 0.0)
   return out
+
+
+# Quantile Balancing in numpy: independent references for the QB statistics and updates.
+
+
+def np_qb_bars(biased, k, cutoff):
+  """Bars of fp32 biased scores [m, E] (sorted in numpy): the (k+1)-th largest per row, and for
+  cutoff 'per_expert' the k-th largest for the experts outside the row's top-k."""
+  top = -np.sort(-biased, axis=1)
+  bar = top[:, k:k + 1]
+  if cutoff == "per_expert":
+    kth = top[:, k - 1:k]
+    bar = np.where(biased >= kth, bar, kth)
+  return bar
+
+
+def np_qb_histogram(scores, bias, k, mask, bins, cutoff):
+  """K3's statistic in numpy: deficits r = bar − s of the valid tokens, binned per expert over
+  [min b − 1, max b + 1] (fp32, the same elementwise operations as the JAX code, so that every
+  deficit lands in the same bin). Returns (int64 counts [E, bins], lo, width)."""
+  s, b = np.asarray(scores, np.float32), np.asarray(bias, np.float32)
+  deficit = (np_qb_bars(s + b, k, cutoff) - s)[np.asarray(mask, bool)]
+  lo = np.float32(b.min() - np.float32(1))
+  width = np.float32((np.float32(b.max() + np.float32(1)) - lo) / np.float32(bins))
+  index = np.clip(np.floor((deficit - lo) / width), 0, bins - 1).astype(np.int64)
+  counts = np.zeros((s.shape[1], bins), np.int64)
+  for j in range(s.shape[1]):
+    np.add.at(counts[j], index[:, j], 1)
+  return counts, float(lo), float(width)
+
+
+def np_qb_bias_from_histogram(counts, tokens, bias, k, lo, width, rate=1.0):
+  """The new bias in float64: per expert the value below which q = m·k/E deficits lie (uniform
+  inside the bin that passes q), b ← (1 − rate)·b + rate·v, centred."""
+  experts = counts.shape[0]
+  q = tokens * k / experts
+  target = np.empty(experts)
+  for j in range(experts):
+    upto = np.cumsum(counts[j])
+    beta = int(np.searchsorted(upto, q, side="right"))    # first bin whose count from below > q
+    below = upto[beta] - counts[j, beta]
+    target[j] = lo + (beta + (q - below) / counts[j, beta]) * width
+  new = (1 - rate) * np.asarray(bias, np.float64) + rate * target
+  return new - new.mean()
+
+
+def np_qb_margins(scores, bias, k, cutoff):
+  """fp32 QB margins M = (s + b) − bar [m, E] in numpy."""
+  biased = np.asarray(scores, np.float32) + np.asarray(bias, np.float32)
+  return biased - np_qb_bars(biased, k, cutoff)
+
+
+def np_qb_exact_bias(scores, bias, k, mask, cutoff, rate=1.0):
+  """The exact QB update in numpy (float64 after the fp32 margins): per expert the (q+1)-th
+  largest margin t of the valid tokens (q = m·k/E, fractional ranks interpolated), b − rate·t,
+  centred. Returns (new bias [E], the margins sorted descending per expert [m, E])."""
+  margins = np_qb_margins(scores, bias, k, cutoff)[np.asarray(mask, bool)]
+  m, experts = margins.shape
+  desc = -np.sort(-margins, axis=0)
+  q = m * k / experts
+  lo = min(int(np.floor(q)), m - 1)
+  hi = min(lo + 1, m - 1)
+  t = desc[lo].astype(np.float64) + (q - np.floor(q)) * (desc[hi].astype(np.float64) - desc[lo])
+  new = np.asarray(bias, np.float64) - rate * t
+  return new - new.mean(), desc

@@ -14,7 +14,8 @@ losses and gradient norms (full precision).
 --against exits 1 unless every case's losses and gradient norms equal the saved ones exactly
 (XLA:CPU's code differs by CPU, so compare runs on one machine). Without either flag, the
 one-device and expert:8 losses are compared with REFERENCE below at --rtol (1e-5): what this
-script printed on a 2-core x86 machine at the commit that introduced it.
+script printed on a 2-core x86 machine since Quantile Balancing updates once per step from
+1000-bin histograms (the exact per-batch quantile before gave losses within 2.4e-7 of these).
 """
 from __future__ import annotations
 
@@ -58,8 +59,8 @@ CASES = {
 }
 # The first two cases' losses (steps 1-4) on a 2-core x86 machine.
 REFERENCE = {
-    "one device": [6.097482681274414, 5.923370361328125, 5.903079986572266, 5.627105712890625],
-    "expert:8": [6.0974836349487305, 5.923369407653809, 5.903079509735107, 5.627106189727783],
+    "one device": [6.097482681274414, 5.923370361328125, 5.903080940246582, 5.627105712890625],
+    "expert:8": [6.0974836349487305, 5.92336893081665, 5.903080940246582, 5.627105712890625],
 }
 
 

@@ -47,7 +47,7 @@ def _residual_bytes(mcfg, impl, seq_len: int) -> dict:
     targets = jnp.zeros(shape, jnp.int32)
     logits, _ = model.apply({"params": params, "moe_state": moe_state}, jnp.zeros(shape, jnp.int32),
                             jnp.ones(shape, jnp.int32), update_balance=True,
-                            mutable=["moe_state", "moe_stats", "attn_stats"])
+                            mutable=["moe_stats", "moe_balance", "attn_stats"])
     ce, n = token_cross_entropy(logits, targets, jnp.ones(shape, jnp.float32))
     return ce / n
 

@@ -10,16 +10,23 @@
 balancing update; it never receives a gradient.
 
 Balancing methods (`ModelConfig.moe_balance`):
-  'quantile'  QB: the bias is recomputed from each batch's scores (`quantile_balance_update`).
+  'quantile'  QB: the bias is recomputed from the scores of the step (`quantile_balance_update`).
   'loss_free' DeepSeek's sign update b += u·sign(mean load − load) (`loss_free_bias_update`).
   'aux_loss'  Switch/GShard auxiliary loss, sown as 'aux_loss' for the trainer to add.
   'none'      no balancing.
+
+QB and loss-free update the bias once per optimizer step: every micro-batch of the step routes
+with the step's bias, the layers of a training forward sow statistics of their tokens
+(`balance_statistics`), the step pools them over its micro-batches (`pool_balance_statistics`;
+over devices, the sums over the sharded batch are global) and computes each layer's new bias from
+all of them at once (`balance_update`). The result does not depend on how the step's tokens are
+split into micro-batches or over devices.
 """
 
 from __future__ import annotations
 
 import numbers
-from typing import Optional
+from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -32,7 +39,9 @@ from k3jax.ops.chunking import map_position_chunks
 from k3jax.ops.kernel_choice import pallas_or_xla
 from k3jax.ops.grouped_matmul import default_ragged_dot
 from k3jax.ops.moe import qb_margins
-from k3jax.ops.moe_ep import quantile_balance_update_histogram, routed_experts_auto
+from k3jax.ops.moe_ep import qb_bias_from_histogram, qb_histogram, routed_experts_auto
+
+PyTree = Any
 
 
 def _check_scores_bias(fn: str, scores: jax.Array, bias: jax.Array, top_k: int) -> None:
@@ -54,6 +63,79 @@ def _valid_rows(fn: str, mask: Optional[jax.Array], rows: int) -> jax.Array:
 
 
 QB_CUTOFFS = ("token", "per_expert")
+
+
+def qb_depth(tokens: int, top_k: int, num_experts: int) -> int:
+  """How many of each expert's largest margins the exact quantile of `tokens` tokens can read:
+  ⌊tokens·k/E⌋ + 2 (ranks ⌊q⌋+1 and ⌊q⌋+2 for any q = m·k/E with m <= tokens), at most `tokens`."""
+  return min(tokens, tokens * top_k // num_experts + 2)
+
+
+def qb_top_margins(scores: jax.Array, bias: jax.Array, top_k: int,
+                   mask: Optional[jax.Array] = None, cutoff: str = "token",
+                   depth: Optional[int] = None) -> tuple[jax.Array, jax.Array]:
+  """The exact QB statistic of a batch: per expert its `depth` largest margins M_ij = s_ij + b_j −
+  bar_ij over the valid tokens (steps 1–2 of `quantile_balance_update`).
+
+  Poolable: the `depth` largest of the concatenated statistics of several batches
+  (`pool_balance_statistics`) are those of all their tokens at once, so with depth =
+  `qb_depth(tokens of all of them, k, E)` the pooled statistic gives their exact quantile.
+
+  Args: as in `quantile_balance_update`, plus depth (static int, default `qb_depth` of this
+    batch's rows).
+  Returns:
+    (top margins fp32 [E, depth] descending, −inf past the valid tokens; number of valid tokens
+    int32 []).
+  """
+  fn = "quantile_balance_update"
+  _check_scores_bias(fn, scores, bias, top_k)
+  if cutoff not in QB_CUTOFFS:
+    raise ValueError(f"{fn}: cutoff={cutoff!r} must be one of {QB_CUTOFFS}")
+  rows, n = scores.shape
+  depth = qb_depth(rows, top_k, n) if depth is None else depth
+  if not (isinstance(depth, numbers.Integral) and depth >= 1):
+    raise ValueError(f"{fn}: depth={depth!r} must be a positive integer")
+  valid = _valid_rows(fn, mask, rows)
+  biased = scores.astype(jnp.float32) + bias.astype(jnp.float32)
+  margin = jnp.where(valid[:, None], qb_margins(biased, top_k, cutoff), -jnp.inf)
+  top = jax.lax.top_k(margin.T, min(rows, depth))[0]                  # [E, ≤ depth] descending
+  if depth > rows:
+    top = jnp.pad(top, ((0, 0), (0, depth - rows)), constant_values=-jnp.inf)
+  return top, jnp.sum(valid, dtype=jnp.int32)
+
+
+def qb_thresholds_from_top(top_margins: jax.Array, tokens: jax.Array, top_k: int) -> jax.Array:
+  """Step 3 of `quantile_balance_update`: t_j, the (q+1)-th largest margin of expert j (q = m·k/E,
+  m = tokens; fractional ranks interpolated), from `qb_top_margins`' statistic (pooled or not).
+
+  top_margins: fp32 [E, D] descending, D >= `qb_depth` of the tokens it holds; tokens: int []
+  valid tokens. Returns fp32 [E] (zeros when m = 0).
+  """
+  num_experts, depth = top_margins.shape
+  num_valid = tokens.astype(jnp.float32)
+  q = num_valid * top_k / num_experts
+  last = jnp.maximum(tokens.astype(jnp.int32) - 1, 0)
+  lo = jnp.minimum(jnp.floor(q).astype(jnp.int32), last)  # 0-based rank of the (q+1)-th largest
+  hi = jnp.minimum(lo + 1, last)
+  frac = q - jnp.floor(q)
+  # Read ranks lo and hi by masked sums: indexing the top_k result also makes XLA:CPU fall back to a
+  # full sort.
+  rank = jnp.arange(depth, dtype=jnp.int32)
+  t_lo = jnp.sum(jnp.where(rank == lo, top_margins, 0.0), axis=1)
+  t_hi = jnp.sum(jnp.where(rank == hi, top_margins, 0.0), axis=1)
+  return jnp.where(num_valid > 0, t_lo + frac * (t_hi - t_lo), 0.0)
+
+
+def qb_bias_from_top(top_margins: jax.Array, tokens: jax.Array, bias: jax.Array, top_k: int,
+                     rate: float = 1.0) -> jax.Array:
+  """Step 4 of `quantile_balance_update` from `qb_top_margins`' statistic (pooled or not):
+  b ← b − rate·t, centred; unchanged when no token was valid. Returns fp32 [E]."""
+  if isinstance(rate, numbers.Real) and not 0.0 < rate <= 1.0:
+    raise ValueError(f"quantile_balance_update: rate={rate} must be in (0, 1]")
+  b = bias.astype(jnp.float32)
+  new_bias = b - rate * qb_thresholds_from_top(top_margins, tokens, top_k)
+  new_bias = new_bias - jnp.mean(new_bias)
+  return jnp.where(tokens > 0, new_bias, b)
 
 
 def quantile_balance_update(scores: jax.Array, bias: jax.Array, top_k: int,
@@ -88,6 +170,9 @@ def quantile_balance_update(scores: jax.Array, bias: jax.Array, top_k: int,
   Masked tokens are set to −inf before the per-column selection, so every shape stays static and the
   mask may be traced. If no token is valid the bias is returned unchanged.
 
+  In training the statistic of steps 1–3 is pooled over an optimizer step's micro-batches and
+  devices before step 4 (`qb_top_margins`, `balance_update`); this function is one batch's update.
+
   Args:
     scores: [tokens, experts] router scores after the sigmoid (cast to fp32).
     bias: [experts] current fp32 bias.
@@ -99,14 +184,10 @@ def quantile_balance_update(scores: jax.Array, bias: jax.Array, top_k: int,
   Returns:
     the new bias [experts] fp32, centred (mean zero).
   """
-  fn = "quantile_balance_update"
   if isinstance(rate, numbers.Real) and not 0.0 < rate <= 1.0:
-    raise ValueError(f"{fn}: rate={rate} must be in (0, 1]")
-  threshold, num_valid = quantile_balance_thresholds(scores, bias, top_k, mask, cutoff)
-  b = bias.astype(jnp.float32)
-  new_bias = b - rate * threshold
-  new_bias = new_bias - jnp.mean(new_bias)
-  return jnp.where(num_valid > 0, new_bias, b)
+    raise ValueError(f"quantile_balance_update: rate={rate} must be in (0, 1]")
+  top, tokens = qb_top_margins(scores, bias, top_k, mask, cutoff)
+  return qb_bias_from_top(top, tokens, bias, top_k, rate)
 
 
 def quantile_balance_thresholds(scores: jax.Array, bias: jax.Array, top_k: int,
@@ -118,30 +199,113 @@ def quantile_balance_thresholds(scores: jax.Array, bias: jax.Array, top_k: int,
   fixed, and with cutoff='per_expert') gives expert j exactly q of this batch's tokens, up to a tie
   at the threshold. Arguments as in `quantile_balance_update`.
   """
-  fn = "quantile_balance_update"
-  _check_scores_bias(fn, scores, bias, top_k)
-  if cutoff not in QB_CUTOFFS:
-    raise ValueError(f"{fn}: cutoff={cutoff!r} must be one of {QB_CUTOFFS}")
-  rows, n = scores.shape
-  valid = _valid_rows(fn, mask, rows)
-  biased = scores.astype(jnp.float32) + bias.astype(jnp.float32)
-  margin = jnp.where(valid[:, None], qb_margins(biased, top_k, cutoff), -jnp.inf)
-  num_valid = jnp.sum(valid).astype(jnp.float32)
-  q = num_valid * top_k / n
-  # Only the top ⌊q⌋+2 margins per column are needed; bound that statically by the row count.
-  depth = min(rows, int(rows * top_k // n) + 2)
-  top_margins = jax.lax.top_k(margin.T, depth)[0]  # [E, depth] descending
-  last = jnp.maximum(num_valid.astype(jnp.int32) - 1, 0)
-  lo = jnp.minimum(jnp.floor(q).astype(jnp.int32), last)  # 0-based rank of the (q+1)-th largest
-  hi = jnp.minimum(lo + 1, last)
-  frac = q - jnp.floor(q)
-  # Read ranks lo and hi by masked sums: indexing the top_k result also makes XLA:CPU fall back to a
-  # full sort.
-  rank = jnp.arange(depth, dtype=jnp.int32)
-  t_lo = jnp.sum(jnp.where(rank == lo, top_margins, 0.0), axis=1)
-  t_hi = jnp.sum(jnp.where(rank == hi, top_margins, 0.0), axis=1)
-  threshold = jnp.where(num_valid > 0, t_lo + frac * (t_hi - t_lo), 0.0)
-  return threshold, num_valid
+  top, tokens = qb_top_margins(scores, bias, top_k, mask, cutoff)
+  return qb_thresholds_from_top(top, tokens, top_k), tokens.astype(jnp.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# The balance statistics of a training step and its once-per-step update
+
+# The collection into which a training forward sows each MoE layer's balance statistics: additive
+# (or, for the exact quantile, mergeable) over micro-batches, summed over devices by the sharding.
+BALANCE_COLLECTION = "moe_balance"
+
+
+def balance_statistics(cfg: ModelConfig, scores: jax.Array, bias: jax.Array,
+                       valid: Optional[jax.Array], load: jax.Array,
+                       micro_batches: int = 1) -> dict:
+  """What one batch contributes to its optimizer step's balance update (`balance_update`).
+
+  moe_balance 'quantile' with moe_qb_histogram_bins = n_b > 0:
+    {'counts': int32 [E, n_b], 'tokens': int32 []} (`k3jax.ops.moe_ep.qb_histogram`); summed.
+  'quantile' with n_b = 0 (exact): {'top_margins': fp32 [E, D], 'tokens': int32 []}
+    (`qb_top_margins`, D = `qb_depth` of the whole step: rows · micro_batches tokens); merged by
+    keeping the D largest.
+  'loss_free': {'load': int32 [E]}, the routed assignments; summed.
+  'aux_loss', 'none': {} (no bias update).
+
+  Args:
+    cfg: the model config (moe_balance, moe_top_k, moe_qb_cutoff, moe_qb_histogram_bins).
+    scores: [tokens, E] router scores (no gradient is taken through them).
+    bias: [E] the bias these tokens were routed with (the step's).
+    valid: optional [tokens] bool, False for padding.
+    load: [E] assignments per expert of the valid tokens (integer-valued).
+    micro_batches: the number of equal micro-batches of the optimizer step this batch is one of.
+  """
+  if cfg.moe_balance == "quantile":
+    scores = jax.lax.stop_gradient(scores)
+    if cfg.moe_qb_histogram_bins > 0:
+      counts, tokens = qb_histogram(scores, bias, cfg.moe_top_k, valid,
+                                    bins=cfg.moe_qb_histogram_bins, cutoff=cfg.moe_qb_cutoff)
+      return {"counts": counts, "tokens": tokens}
+    rows, num_experts = scores.shape
+    top, tokens = qb_top_margins(scores, bias, cfg.moe_top_k, valid, cfg.moe_qb_cutoff,
+                                 qb_depth(rows * micro_batches, cfg.moe_top_k, num_experts))
+    return {"top_margins": top, "tokens": tokens}
+  if cfg.moe_balance == "loss_free":
+    return {"load": jax.lax.stop_gradient(load).astype(jnp.int32)}
+  return {}
+
+
+def _leaf_name(path) -> str:
+  last = path[-1]
+  return str(getattr(last, "key", getattr(last, "name", last)))
+
+
+def empty_balance_statistics(shapes: PyTree) -> PyTree:
+  """The pooled statistics of no batch, like `shapes` (a BALANCE_COLLECTION tree of arrays or
+  ShapeDtypeStructs): zeros, and −inf for the exact quantile's 'top_margins'."""
+  def empty(path, x):
+    fill = -jnp.inf if _leaf_name(path) == "top_margins" else 0
+    return jnp.full(x.shape, fill, x.dtype)
+  return jax.tree_util.tree_map_with_path(empty, shapes)
+
+
+def pool_balance_statistics(pooled: PyTree, new: PyTree) -> PyTree:
+  """Two BALANCE_COLLECTION trees of the same structure → the statistics of all their tokens:
+  counts, token counts and loads add (integers: exact in any order); 'top_margins' [..., E, D]
+  keep the D largest of both (exact too: the values, not their order of arrival)."""
+  def pool(path, a, b):
+    if _leaf_name(path) == "top_margins":
+      return jax.lax.top_k(jnp.concatenate([a, b], axis=-1), a.shape[-1])[0]
+    return a + b
+  return jax.tree_util.tree_map_with_path(pool, pooled, new)
+
+
+def _layer_bias_update(cfg: ModelConfig, bias: jax.Array, stats: dict) -> jax.Array:
+  """One layer's new bias [E] from its pooled statistics (`balance_statistics`' layout)."""
+  k = cfg.moe_top_k
+  if "counts" in stats:
+    return qb_bias_from_histogram(stats["counts"], stats["tokens"], bias, k, cfg.moe_qb_rate)
+  if "top_margins" in stats:
+    return qb_bias_from_top(stats["top_margins"], stats["tokens"], bias, k, cfg.moe_qb_rate)
+  if "load" in stats:
+    return loss_free_bias_update(stats["load"], bias, cfg.moe_loss_free_rate)
+  return bias
+
+
+def balance_update(cfg: ModelConfig, moe_state: PyTree, stats: PyTree) -> PyTree:
+  """The balance state after an optimizer step: each layer's bias recomputed once from the
+  statistics pooled over all the step's tokens (`balance_statistics`, `pool_balance_statistics`).
+
+  moe_state: the 'moe_state' collection ({..., 'bias': fp32 [E]}; [G, E] for a layer of the
+  decoder's scan); stats: the BALANCE_COLLECTION collection of the step, at the same module paths
+  ([G, ...] stacked likewise). Layers without statistics keep their bias.
+  """
+  def walk(state, layer_stats):
+    if not hasattr(state, "items"):
+      return state
+    if "bias" in state:
+      if not layer_stats:
+        return state
+      bias = state["bias"]
+      update = lambda b, s: _layer_bias_update(cfg, b, s)
+      for _ in range(bias.ndim - 1):   # stacked layers: one update per leading index
+        update = jax.vmap(update)
+      return type(state)({**state, "bias": update(bias, dict(layer_stats)).astype(bias.dtype)})
+    return type(state)({key: walk(value, layer_stats.get(key, {})) for key, value in state.items()})
+
+  return walk(moe_state, stats)
 
 
 def loss_free_bias_update(load: jax.Array, bias: jax.Array, rate: float = 1e-3) -> jax.Array:
@@ -242,9 +406,10 @@ class _NormScale(nn.Module):
                                 self.param_dtype)
 
 
-def _sow_value(module: nn.Module, name: str, value: jax.Array) -> None:
-  """Sows `value` itself (not a tuple of calls) so that moe_stats holds plain arrays."""
-  module.sow("moe_stats", name, value, init_fn=lambda: None, reduce_fn=lambda _, new: new)
+def _sow_value(module: nn.Module, name: str, value: jax.Array,
+               collection: str = "moe_stats") -> None:
+  """Sows `value` itself (not a tuple of calls) so that the collection holds plain arrays."""
+  module.sow(collection, name, value, init_fn=lambda: None, reduce_fn=lambda _, new: new)
 
 
 class LatentMoE(nn.Module):
@@ -265,16 +430,20 @@ class LatentMoE(nn.Module):
   moe_num_shared·moe_shared_dim. That is the same function (a sum of GLUs with disjoint hidden units
   is a GLU over their concatenation) with fewer, larger matmuls.
 
-  Variables: 'moe_state'/'bias' [E] fp32 (zeros at init). Sown into 'moe_stats' on apply (not at
-  init): 'load' [E] fp32 (routed assignments of valid tokens, before any capacity drop), 'max_vio'
-  scalar, 'aux_loss' scalar (unscaled, only for moe_balance == 'aux_loss'; the trainer multiplies
-  by moe_aux_loss_coef) and 'dropped' int32 scalar (only when moe_capacity_factor > 0).
+  Variables: 'moe_state'/'bias' [E] fp32 (zeros at init), read-only here. Sown into 'moe_stats' on
+  apply (not at init): 'load' [E] fp32 (routed assignments of valid tokens, before any capacity
+  drop), 'max_vio' scalar, 'aux_loss' scalar (unscaled, only for moe_balance == 'aux_loss'; the
+  trainer multiplies by moe_aux_loss_coef) and 'dropped' int32 scalar (only when
+  moe_capacity_factor > 0). With update_balance, sown into BALANCE_COLLECTION: this batch's
+  `balance_statistics`, from which the training step computes the next bias once per optimizer
+  step (`balance_update`).
 
-  Balancing options: moe_balance, moe_qb_cutoff, moe_qb_rate, moe_qb_histogram_bins (0: exact
-  sort-based quantile; > 0: quantile from per-expert histograms, as across hosts).
+  Balancing options: moe_balance, moe_qb_cutoff, moe_qb_rate, moe_qb_histogram_bins (> 0: quantile
+  from per-expert histograms; 0: exact quantile from each expert's largest margins).
 
-  Sequence chunks (ImplConfig.position_chunk_tokens > 0): the router, the load statistics and the balancing
-  update run over the whole batch (they need every token; the [B·T, E] scores are small), while
+  Sequence chunks (ImplConfig.position_chunk_tokens > 0): the router, the load statistics and the
+  balancing statistics run over the whole batch (they need every token; the [B·T, E] scores are
+  small), while
   the down projection, dispatch, grouped expert matmuls, combine, latent norm, up projection and
   shared experts run per chunk of positions (`k3jax.ops.chunking.map_position_chunks`), each
   rematerialised in the backward pass. Same values as unchunked.
@@ -284,15 +453,18 @@ class LatentMoE(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, mask: Optional[jax.Array] = None, *,
-               update_balance: bool = False) -> jax.Array:
+               update_balance: int = False) -> jax.Array:
     """x [B, T, d] → y [B, T, d] in config.dtype.
 
     Args:
       x: [B, T, d] activations.
       mask: optional [B, T] bool, False at padding (not computed by the routed experts, left out of
-        the load, the balancing statistics and the bias update).
-      update_balance: write into moe_state/bias the bias computed from this batch (QB or
-        loss-free; no-op for 'aux_loss'/'none'). Requires 'moe_state' to be mutable.
+        the load and the balancing statistics).
+      update_balance: False (evaluation, decoding), or this batch feeds a training step's balance
+        update: True when it is the whole step, else the number n >= 1 of equal micro-batches of the
+        step that it is one of (the exact quantile's statistic is sized for the pooled step). Sows
+        `balance_statistics` into BALANCE_COLLECTION when that collection is mutable (nothing for
+        'aux_loss'/'none'); the bias itself is never written here.
     """
     cfg = self.config
     if x.ndim != 3:
@@ -300,6 +472,9 @@ class LatentMoE(nn.Module):
     batch, length, width = x.shape
     if mask is not None and mask.shape != (batch, length):
       raise ValueError(f"LatentMoE: mask must be [B={batch}, T={length}] bool, got {mask.shape}")
+    if not (isinstance(update_balance, numbers.Integral) and update_balance >= 0):
+      raise ValueError(f"LatentMoE: update_balance={update_balance!r} must be a bool or a number "
+                       "of micro-batches >= 1")
     num_experts, k = cfg.moe_num_experts, cfg.moe_top_k
     if num_experts <= 0:
       raise ValueError(f"LatentMoE: moe_num_experts={num_experts} must be > 0")
@@ -380,14 +555,7 @@ class LatentMoE(nn.Module):
       if cfg.moe_capacity_factor > 0:
         _sow_value(self, "dropped", stats["dropped"])
       if update_balance:
-        if cfg.moe_balance == "quantile":
-          if cfg.moe_qb_histogram_bins > 0:
-            bias_var.value = quantile_balance_update_histogram(
-                jax.lax.stop_gradient(scores), bias, k, valid, bins=cfg.moe_qb_histogram_bins,
-                rate=cfg.moe_qb_rate, cutoff=cfg.moe_qb_cutoff)
-          else:
-            bias_var.value = quantile_balance_update(jax.lax.stop_gradient(scores), bias, k, valid,
-                                                     rate=cfg.moe_qb_rate, cutoff=cfg.moe_qb_cutoff)
-        elif cfg.moe_balance == "loss_free":
-          bias_var.value = loss_free_bias_update(load, bias, cfg.moe_loss_free_rate)
+        balance = balance_statistics(cfg, scores, bias, valid, load, int(update_balance))
+        for name, value in balance.items():
+          _sow_value(self, name, value, BALANCE_COLLECTION)
     return y

@@ -97,7 +97,7 @@ class DecoderLayer(nn.Module):
 
   @nn.compact
   def __call__(self, blocks: Blocks, partial: Optional[jax.Array], segment_ids, mask,
-               decode: bool, update_balance: bool):
+               decode: bool, update_balance: int):
     # decode and update_balance are positional so that the remat transforms can mark them static.
     cfg, impl = self.config, self.impl
     dtype = common.to_dtype(cfg.dtype)
@@ -155,7 +155,7 @@ class DecoderGroup(nn.Module):
   impl: ImplConfig
   plan: LayerPlan
   decode: bool
-  update_balance: bool
+  update_balance: int
 
   @nn.compact
   def __call__(self, carry, frozen, segment_ids, mask):
@@ -185,13 +185,16 @@ class K3Model(nn.Module):
   the final normed hidden states and the LM head, logits = h @ head in fp32, for a loss that never
   holds [B,T,vocab] logits (`k3jax.training.loss.chunked_cross_entropy`).
   segment_ids: 0 = padding, 1.. = documents within a row (state resets and attention masking).
+  update_balance: False, or a training forward whose MoE layers sow their balance statistics
+  (`k3jax.layers.moe.balance_statistics`): True when the batch is the whole optimizer step, else
+  the number of equal micro-batches of the step it is one of (`LatentMoE`).
   """
   config: ModelConfig
   impl: ImplConfig = ImplConfig()
 
   @nn.compact
   def __call__(self, tokens: jax.Array, segment_ids: Optional[jax.Array] = None, *,
-               decode: bool = False, update_balance: bool = False, return_hidden: bool = False):
+               decode: bool = False, update_balance: int = False, return_hidden: bool = False):
     cfg, impl = self.config, self.impl
     if tokens.ndim != 2:
       raise ValueError(f"tokens must have shape [B, T], got {tokens.shape}")

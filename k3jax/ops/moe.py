@@ -228,16 +228,18 @@ def routed_experts(
 QB_CUTOFFS = ("per_expert", "token")
 
 
-def qb_margins(biased: jax.Array, top_k: int, cutoff: str) -> jax.Array:
-  """Quantile Balancing margins M_ij = (s_ij + b_j) − bar_ij for biased scores [tokens, experts].
+def qb_bars(biased: jax.Array, top_k: int, cutoff: str) -> jax.Array:
+  """Quantile Balancing bars of biased scores [tokens, experts]: the biased score bar_ij that expert
+  j must beat to be in token i's top-k.
 
   cutoff='token' (K3's definition): bar_ij = the token's (k+1)-th largest biased score for every
-  expert. cutoff='per_expert': that bar for the experts the token chose, and its k-th largest for
-  the others, i.e. exactly the score each expert must beat to enter the token's top-k (an outsider
-  must displace the weakest chosen expert). Returns fp32 [tokens, experts].
+  expert; returned as [tokens, 1]. cutoff='per_expert': that bar for the experts the token chose,
+  and its k-th largest for the others, i.e. exactly the score each expert must beat to enter the
+  token's top-k (an outsider must displace the weakest chosen expert); [tokens, experts]. fp32.
   """
   if cutoff not in QB_CUTOFFS:
     raise ValueError(f"cutoff={cutoff!r} must be one of {QB_CUTOFFS}")
+  biased = biased.astype(jnp.float32)
   # Masked reductions instead of slicing columns k-1 and k: XLA:CPU turns a sliced top_k into a full
   # sort (20x slower).
   top = jax.lax.top_k(biased, top_k + 1)[0]                             # [tokens, k+1] descending
@@ -245,4 +247,12 @@ def qb_margins(biased: jax.Array, top_k: int, cutoff: str) -> jax.Array:
   if cutoff == "per_expert":
     kth = jnp.min(jnp.where(jnp.arange(top_k + 1) < top_k, top, jnp.inf), axis=-1, keepdims=True)
     bar = jnp.where(biased >= kth, bar, kth)
-  return biased - bar
+  return bar
+
+
+def qb_margins(biased: jax.Array, top_k: int, cutoff: str) -> jax.Array:
+  """Quantile Balancing margins M_ij = (s_ij + b_j) − bar_ij (`qb_bars`) for biased scores
+  [tokens, experts]: expert j is in token i's top-k exactly when M_ij > 0. Returns fp32
+  [tokens, experts]."""
+  biased = biased.astype(jnp.float32)
+  return biased - qb_bars(biased, top_k, cutoff)

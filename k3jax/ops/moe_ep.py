@@ -43,9 +43,10 @@ used here because it runs on every backend, including the 8 fake CPU devices of 
 `k3jax.parallel.sharding.with_mesh`) has an 'expert' axis > 1, the single-device
 `routed_experts` otherwise.
 
-`quantile_balance_update_histogram` is the communication-light QB update for sharded tokens: each
-device bins its margins per expert, the [E, bins] histograms are all-reduced, and the per-expert
-quantile is read from the summed histogram (error ≤ half a bin of that expert's margin range).
+Quantile Balancing from histograms (`qb_histogram`, `qb_bias_from_histogram`): each device, and
+each micro-batch of an optimizer step, counts its tokens' QB deficits per expert in bins fixed by
+the bias alone; the int32 [E, bins] counts add exactly over micro-batches and devices, and the
+step's new bias is read from their sum (within about a bin of the exact quantile).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from k3jax.ops.grouped_matmul import RaggedDotFn
-from k3jax.ops.moe import _check_shapes, grouped_situ_glu, qb_margins, routed_experts
+from k3jax.ops.moe import _check_shapes, grouped_situ_glu, qb_bars, routed_experts
 from k3jax.ops.moe_rows import (gather_rows, permute_rows, sort_with_inverse, sorted_group_sizes,
                                 weighted_combine)
 from k3jax.parallel.sharding import BATCH_AXES
@@ -270,40 +271,12 @@ def routed_experts_auto(z: jax.Array, expert_idx: jax.Array, expert_weight: jax.
 
 
 # ------------------------------------------------------------------------------------------------
-# Quantile Balancing from all-reduced histograms
+# Quantile Balancing from histograms
 
 
-def _reduce(x, op: str, axis_name):
-  if axis_name is None:
-    return x
-  return {"sum": jax.lax.psum, "min": jax.lax.pmin, "max": jax.lax.pmax}[op](x, axis_name)
-
-
-def histogram_quantile_thresholds(scores: jax.Array, bias: jax.Array, top_k: int,
-                                  mask: Optional[jax.Array] = None, axis_name=None,
-                                  bins: int = 1024,
-                                  cutoff: str = "token") -> tuple[jax.Array, jax.Array, jax.Array]:
-  """Per-expert QB thresholds t_j from histograms of the margins (see `quantile_balance_update`).
-
-  Margins M_ij = s_ij + b_j − c_i (c_i = the (k+1)-th largest biased score of token i), valid tokens
-  only. Per expert j the range [min_j M, max_j M] over all devices (pmin/pmax of [E]) is cut into
-  `bins` equal bins, each device counts its margins per bin, and the [E, bins] counts are psum'd.
-  The (r)-th largest margin lies in the bin where the count from the top first reaches r; its value
-  is taken as that bin's midpoint, so the error is ≤ half a bin width. The fractional rank q+1
-  (q = m·k/E) is interpolated between ranks ⌊q⌋+1 and ⌊q⌋+2 exactly as the sort-based update does.
-
-  Args:
-    scores: [tokens, E] router scores (local shard when axis_name is given).
-    bias: [E] current bias (replicated).
-    top_k: k.
-    mask: optional [tokens] bool, False for padding.
-    axis_name: mesh axis name(s) the tokens are sharded over inside `shard_map`, or None when
-      `scores` holds every token (under jit with sharded inputs XLA reduces the histograms itself).
-    bins: histogram bins per expert.
-  Returns:
-    (thresholds [E] fp32, bin widths [E] fp32, number of valid tokens fp32 scalar).
-  """
-  fn = "quantile_balance_update_histogram"
+def _check_qb_args(fn: str, scores: jax.Array, bias: jax.Array, top_k: int, bins: int,
+                   mask: Optional[jax.Array]) -> jax.Array:
+  """The [tokens] bool validity after checking the arguments of the histogram functions."""
   if scores.ndim != 2:
     raise ValueError(f"{fn}: scores must be [tokens, experts], got shape {scores.shape}")
   rows, n = scores.shape
@@ -315,58 +288,110 @@ def histogram_quantile_thresholds(scores: jax.Array, bias: jax.Array, top_k: int
     raise ValueError(f"{fn}: bins={bins!r} must be an integer >= 2")
   if mask is not None and mask.shape != (rows,):
     raise ValueError(f"{fn}: mask must be [tokens={rows}] bool, got shape {mask.shape}")
-  valid = jnp.ones((rows,), bool) if mask is None else mask.astype(bool)
+  return jnp.ones((rows,), bool) if mask is None else mask.astype(bool)
 
+
+def qb_histogram_range(bias: jax.Array, bins: int) -> tuple[jax.Array, jax.Array]:
+  """(lo, width), fp32 scalars: the QB histogram covers [min b − 1, max b + 1] in `bins` equal bins.
+
+  Scores are sigmoids in [0, 1] and every bar is a biased score s + b, so each deficit
+  r = bar − s lies in that range. It depends on the bias alone, which stays fixed over an
+  optimizer step: the histograms of the step's micro-batches and devices share their bins and add.
+  """
   b = bias.astype(jnp.float32)
-  biased = scores.astype(jnp.float32) + b
-  margin = qb_margins(biased, top_k, cutoff)                                  # [tokens, E]
-  lo = _reduce(jnp.min(jnp.where(valid[:, None], margin, jnp.inf), axis=0), "min", axis_name)
-  hi = _reduce(jnp.max(jnp.where(valid[:, None], margin, -jnp.inf), axis=0), "max", axis_name)
-  num_valid = _reduce(jnp.sum(valid).astype(jnp.float32), "sum", axis_name)
-  any_valid = num_valid > 0
-  lo = jnp.where(any_valid, lo, 0.0)
-  hi = jnp.where(any_valid, hi, 0.0)
-  # A column whose margins are all equal gets a tiny positive width; every margin lands in bin 0.
-  width = jnp.maximum((hi - lo) / bins, jnp.finfo(jnp.float32).tiny)
-  index = jnp.clip(jnp.floor((margin - lo) / width), 0, bins - 1).astype(jnp.int32)
-  flat = (jnp.arange(n, dtype=jnp.int32)[None, :] * bins + index).reshape(-1)
-  counts = jnp.zeros((n * bins,), jnp.float32).at[flat].add(
-      jnp.repeat(valid.astype(jnp.float32), n)).reshape(n, bins)
-  counts = _reduce(counts, "sum", axis_name)
-  from_top = jnp.cumsum(counts[:, ::-1], axis=1)[:, ::-1]          # margins in bins >= b
+  lo = jnp.min(b) - 1.0
+  return lo, (jnp.max(b) + 1.0 - lo) / bins
 
-  q = num_valid * top_k / n
-  last = jnp.maximum(num_valid - 1, 0)
-  rank_lo = jnp.minimum(jnp.floor(q), last)                                   # 0-based ranks
-  rank_hi = jnp.minimum(rank_lo + 1, last)
-  frac = q - jnp.floor(q)
 
-  def value_at(rank0):
-    # Bin of the (rank0+1)-th largest: the last bin whose count-from-top is >= rank0+1.
-    b_idx = jnp.sum(from_top >= rank0 + 1, axis=1) - 1
-    return lo + (jnp.clip(b_idx, 0, bins - 1).astype(jnp.float32) + 0.5) * width
+def qb_histogram(scores: jax.Array, bias: jax.Array, top_k: int,
+                 mask: Optional[jax.Array] = None, *, bins: int, cutoff: str = "token",
+                 axis_name=None) -> tuple[jax.Array, jax.Array]:
+  """Per-expert histograms of the QB deficits r_ij = bar_ij − s_ij of the valid tokens.
 
-  t_lo, t_hi = value_at(rank_lo), value_at(rank_hi)
-  return t_lo + frac * (t_hi - t_lo), width, num_valid
+  bar_ij is the biased score expert j must beat to enter token i's top-k (`qb_bars`; K3's cutoff
+  c_i for cutoff='token'), so expert j is chosen exactly when r_ij < b_j. (The margins of
+  `k3jax.layers.moe.quantile_balance_update` are M_ij = b_j − r_ij.) The bins are those of
+  `qb_histogram_range(bias, bins)`, so the counts of any split of the tokens (micro-batches,
+  devices) sum to those of all tokens at once, exactly: each token's bins depend on its own scores
+  and on the bias only.
+
+  Args:
+    scores: [tokens, E] router scores (sigmoid outputs; the local shard inside `shard_map`).
+    bias: [E] the bias the tokens were routed with (replicated).
+    top_k: k.
+    mask: optional [tokens] bool, False for padding.
+    bins: histogram bins per expert (>= 2).
+    cutoff: 'token' or 'per_expert' (`qb_bars`).
+    axis_name: mesh axis name(s) the tokens are sharded over inside `shard_map`, whose counts are
+      summed; None when `scores` holds every token (under jit with sharded inputs XLA sums them).
+  Returns:
+    (counts int32 [E, bins], number of valid tokens int32 []).
+  """
+  fn = "qb_histogram"
+  valid = _check_qb_args(fn, scores, bias, top_k, bins, mask)
+  n = scores.shape[1]
+  s = scores.astype(jnp.float32)
+  b = bias.astype(jnp.float32)
+  deficit = qb_bars(s + b, top_k, cutoff) - s                                 # [tokens, E]
+  lo, width = qb_histogram_range(b, bins)
+  index = jnp.clip(jnp.floor((deficit - lo) / width), 0, bins - 1).astype(jnp.int32)
+  flat = jnp.arange(n, dtype=jnp.int32)[None, :] * bins + index
+  # Padding goes to an index past the end, which the scatter drops.
+  flat = jnp.where(valid[:, None], flat, n * bins).reshape(-1)
+  counts = jnp.zeros((n * bins,), jnp.int32).at[flat].add(1, mode="drop").reshape(n, bins)
+  tokens = jnp.sum(valid, dtype=jnp.int32)
+  if axis_name is not None:
+    counts, tokens = jax.lax.psum((counts, tokens), axis_name)
+  return counts, tokens
+
+
+def qb_histogram_quantiles(counts: jax.Array, tokens: jax.Array, bias: jax.Array,
+                           top_k: int) -> jax.Array:
+  """Per expert, the value v_j below which q = m·k/E of its deficits lie (m = tokens), read from
+  `qb_histogram`'s counts with the deficits taken as uniform inside each bin. Routing with bias v
+  gives each expert q of these tokens (with the bars held fixed). fp32 [E].
+
+  counts: int32 [E, bins] over `qb_histogram_range(bias, bins)`; tokens: int32 [] (0 gives lo).
+  """
+  num_experts, bins = counts.shape
+  lo, width = qb_histogram_range(bias, bins)
+  q = tokens.astype(jnp.float32) * top_k / num_experts
+  upto = jnp.cumsum(counts, axis=1)                              # deficits in bins <= β, exact
+  # The bin where the count from below passes q (q < m: some bin does, unless m = 0).
+  beta = jnp.minimum(jnp.sum(upto.astype(jnp.float32) <= q, axis=1), bins - 1)
+  in_beta = jnp.arange(bins)[None, :] == beta[:, None]
+  count = jnp.sum(jnp.where(in_beta, counts, 0), axis=1).astype(jnp.float32)
+  below = jnp.sum(jnp.where(in_beta, upto - counts, 0), axis=1).astype(jnp.float32)
+  frac = jnp.where(count > 0, (q - below) / jnp.maximum(count, 1.0), 0.0)
+  return lo + (beta.astype(jnp.float32) + frac) * width
+
+
+def qb_bias_from_histogram(counts: jax.Array, tokens: jax.Array, bias: jax.Array, top_k: int,
+                           rate: float = 1.0) -> jax.Array:
+  """The new QB bias from the histograms of one optimizer step (`qb_histogram`, with the counts of
+  all its micro-batches and devices summed): b ← (1 − rate)·b + rate·v (`qb_histogram_quantiles`),
+  then b ← b − mean(b). At rate 1 this is K3's b_j ← quantile_{k/E}(r_j) − mean. Unchanged when no
+  token was valid. counts int32 [E, bins], tokens int32 [], bias [E] → fp32 [E]."""
+  if isinstance(rate, numbers.Real) and not 0.0 < rate <= 1.0:
+    raise ValueError(f"qb_bias_from_histogram: rate={rate} must be in (0, 1]")
+  b = bias.astype(jnp.float32)
+  target = qb_histogram_quantiles(counts, tokens, b, top_k)
+  new_bias = (1.0 - rate) * b + rate * target
+  new_bias = new_bias - jnp.mean(new_bias)
+  return jnp.where(tokens > 0, new_bias, b)
 
 
 def quantile_balance_update_histogram(scores: jax.Array, bias: jax.Array, top_k: int,
                                       mask: Optional[jax.Array] = None, axis_name=None,
-                                      bins: int = 1024, rate: float = 1.0,
+                                      bins: int = 1000, rate: float = 1.0,
                                       cutoff: str = "token") -> jax.Array:
-  """`k3jax.layers.moe.quantile_balance_update` from all-reduced per-expert margin histograms.
-
-  Same contract (new centred bias [E] fp32, unchanged when no token is valid), plus `axis_name`
-  and `bins` (see `histogram_quantile_thresholds`). Each threshold is within half a bin width of
-  the exact one, so every entry of the new bias is within one (largest) bin width of the exact
-  update (the centring can add the mean error). Communication: two [E] min/max reductions and one
-  [E, bins] sum, independent of the token count.
-  """
+  """`k3jax.layers.moe.quantile_balance_update` of one batch, from histograms: `qb_histogram`
+  then `qb_bias_from_histogram` (arguments as there). Each expert's one-shot target is within one
+  bin width, (max b − min b + 2)/bins, of the exact quantile's when the two ranks it interpolates
+  share a bin. Communication under `shard_map`: one [E, bins] int32 sum, independent of the token
+  count."""
   if isinstance(rate, numbers.Real) and not 0.0 < rate <= 1.0:
     raise ValueError(f"quantile_balance_update_histogram: rate={rate} must be in (0, 1]")
-  threshold, _, num_valid = histogram_quantile_thresholds(scores, bias, top_k, mask, axis_name,
-                                                          bins, cutoff)
-  b = bias.astype(jnp.float32)
-  new_bias = b - rate * threshold
-  new_bias = new_bias - jnp.mean(new_bias)
-  return jnp.where(num_valid > 0, new_bias, b)
+  counts, tokens = qb_histogram(scores, bias, top_k, mask, bins=bins, cutoff=cutoff,
+                                axis_name=axis_name)
+  return qb_bias_from_histogram(counts, tokens, bias, top_k, rate)

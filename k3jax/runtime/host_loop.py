@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 from typing import Any, Callable
 
 import flax.linen as nn
@@ -33,8 +34,9 @@ from k3jax.runtime import lowered_cache
 from k3jax.runtime import param_casts
 
 PyTree = Any
-# loss_fn(params, moe_state, batch) -> (total, (ce, aux, mutated collections)).
-LossFn = Callable[[PyTree, PyTree, dict], tuple]
+# loss_fn(params, moe_state, batch, num_micro=n) -> (total, (ce, aux, mutated collections)), for
+# `batch` one of the n equal micro-batches of a step.
+LossFn = Callable[..., tuple]
 
 
 # apply_update(state, total, ce, aux, mutated, grads) -> (state, metrics): everything a training
@@ -107,7 +109,7 @@ class HostLoopStep:
   of jitted programs (module docstring); a batch of one micro-batch runs as two programs, the
   loss's gradients and the update (`train_step_grads`, `train_step_update`).
 
-  loss_fn: (params, moe_state, micro-batch) -> (total, (ce, aux, mutated)).
+  loss_fn: (params, moe_state, micro-batch, num_micro=n) -> (total, (ce, aux, mutated)).
   apply_update: `ApplyUpdate`.
   accumulate: the accumulation arithmetic, `k3jax.training.accumulate` (its split,
     token_weights, zero_accumulators, add_microbatch, finish and one_microbatch).
@@ -153,7 +155,7 @@ class HostLoopStep:
     self._rep = _replicated(st)
     rep = self._rep
     self._acc_sh = {"grads": self._params_sh, "total": rep, "ce": rep, "aux": rep,
-                    "stats": rep, "qk": rep}
+                    "stats": rep, "balance": rep, "qk": rep}
 
   def _jit(self, fun, donate, in_sh, out_sh, extra):
     kwargs = dict(in_shardings=in_sh, out_shardings=out_sh) if self._sharded else {}
@@ -177,11 +179,15 @@ class HostLoopStep:
       micro_batch = jax.eval_shape(lambda b: jax.tree.map(lambda x: x[0], self._acc.split(b, num_micro)),
                                    abstract(batch))
       args = (abstract(params), abstract(moe_state), micro_batch)
-      dtypes, out_shape = param_casts.single_cast_dtypes(self._loss_fn, *args)
+      dtypes, out_shape = param_casts.single_cast_dtypes(self._loss_for(num_micro), *args)
       if not self._cast_once:
         dtypes = [None] * len(dtypes)
       self._loss_info[key] = (tuple(dtypes), out_shape[1][2])
     return self._loss_info[key]
+
+  def _loss_for(self, num_micro: int) -> Callable:
+    """`loss_fn` for the micro-batches of steps of `num_micro` of them."""
+    return functools.partial(self._loss_fn, num_micro=num_micro)
 
   def _copies_sh(self, dtypes: tuple):
     if self._params_sh is None:
@@ -190,22 +196,24 @@ class HostLoopStep:
     return jax.tree.unflatten(treedef, [s if d is not None else None
                                         for s, d in zip(leaves, dtypes)])
 
-  def _microbatch_for(self, dtypes: tuple) -> Callable:
-    """The micro-batch program for parameters with these cast copies (built once per set)."""
-    if dtypes not in self._microbatch_programs:
-      loss_fn, acc_lib = self._loss_fn, self._acc
+  def _microbatch_for(self, dtypes: tuple, num_micro: int) -> Callable:
+    """The micro-batch program for parameters with these cast copies, in steps of `num_micro`
+    micro-batches (built once per pair)."""
+    key = (dtypes, num_micro)
+    if key not in self._microbatch_programs:
+      loss_fn, acc_lib = self._loss_for(num_micro), self._acc
 
       def train_step_microbatch(params, copies, moe_state, micro_batch, weight, acc):
         return acc_lib.add_microbatch(loss_fn, param_casts.with_copies(params, copies),
                                       moe_state, micro_batch, weight, acc)
 
       rep = self._rep
-      self._microbatch_programs[dtypes] = self._jit(
+      self._microbatch_programs[key] = self._jit(
           train_step_microbatch, donate=(5,),
           in_sh=(self._params_sh, self._copies_sh(dtypes), self._moe_sh, self._batch_sh, rep,
                  self._acc_sh),
           out_sh=(self._acc_sh, self._moe_sh), extra="")
-    return self._microbatch_programs[dtypes]
+    return self._microbatch_programs[key]
 
   def _programs_for(self, num_micro: int, info: tuple) -> tuple[Callable, Callable, Callable]:
     """(prepare, micro-batch, update) for steps of `num_micro` micro-batches and `_info`'s
@@ -213,7 +221,7 @@ class HostLoopStep:
     dtypes, mutated_shape = info
     key = (num_micro, dtypes)
     if key not in self._programs:
-      loss_fn, acc_lib = self._loss_fn, self._acc
+      loss_fn, acc_lib = self._loss_for(num_micro), self._acc
 
       def train_step_prepare(params, moe_state, batch):
         micro = acc_lib.split(batch, num_micro)
@@ -230,7 +238,8 @@ class HostLoopStep:
           in_sh=(self._params_sh, self._moe_sh, self._batch_sh),
           out_sh=((self._batch_sh,) * num_micro, (self._rep,) * num_micro, self._acc_sh,
                   self._copies_sh(dtypes)))
-      self._programs[key] = (prepare, self._microbatch_for(dtypes), self._update_for(num_micro))
+      self._programs[key] = (prepare, self._microbatch_for(dtypes, num_micro),
+                             self._update_for(num_micro))
     return self._programs[key]
 
   def _update_for(self, num_micro: int) -> Callable:
@@ -258,7 +267,7 @@ class HostLoopStep:
     here the one micro-batch's own values: no zeros to add to) and the balance state; the update
     is the host loop's for one micro-batch."""
     if self._grads_program is None:
-      loss_fn, acc_lib = self._loss_fn, self._acc
+      loss_fn, acc_lib = self._loss_for(1), self._acc
 
       def train_step_grads(params, moe_state, batch):
         return acc_lib.one_microbatch(loss_fn, params, moe_state, batch)

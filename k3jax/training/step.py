@@ -6,8 +6,12 @@
              (`k3jax.training.accumulate`; one micro-batch: the plain gradient)
     params = optimizer update (AdamW or Muon, clipped; `k3jax.training.optim`), then QK-Clip of the
              MLA weights from the sown per-head max logits (OptimizerConfig.qk_clip_tau > 0)
-    balance biases ('moe_state') = those the model wrote in this step's forward, kept every
-             ModelConfig.moe_qb_interval steps
+    balance biases ('moe_state') = recomputed once from the balance statistics of all the step's
+             tokens (every micro-batch routes with the step's biases; `k3jax.layers.moe.
+             balance_update`), kept every ModelConfig.moe_qb_interval steps. With
+             ModelConfig.moe_qb_cadence = 'microbatch', QB instead updates after each
+             micro-batch from its own statistics, the next one routes with that bias and the step
+             keeps the last
 
 The loop that drives it over the stages is `k3jax.training.loop`; the state and its
 initialisation `k3jax.training.state`. How the step is compiled and run (one program, or a host
@@ -16,6 +20,7 @@ loop of programs) is the runtime's (`k3jax.runtime.Runtime.train_step`).
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Optional
 
 import jax
@@ -23,6 +28,7 @@ import jax.numpy as jnp
 import optax
 
 from k3jax import config as config_lib
+from k3jax.layers import moe as moe_layers
 from k3jax.model import K3Model, is_scanned_path
 from k3jax.model.stats import moe_stats_by_layer
 from k3jax.runtime import Runtime
@@ -57,7 +63,9 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   """The jitted training step `(state, batch) -> (state, metrics)` (the module docstring's math).
 
   model: `K3Model(cfg.model, impl)` with the stage's ImplConfig. The model runs with
-    update_balance=True; the balance biases it writes are kept when step % moe_qb_interval == 0.
+    update_balance (the number of micro-batches of the step): its MoE layers sow their balance
+    statistics, which the step pools and turns into new biases, kept when
+    step % moe_qb_interval == 0.
   runtime: compiles and runs the step (`Runtime.train_step`; default `Runtime(cfg.runtime)`).
   state_shardings / batch_shardings: passed to jax.jit as in/out shardings when given (the hook for
     `k3jax.parallel.sharding`); None leaves placement to JAX (single device).
@@ -74,22 +82,33 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
   use_aux = mcfg.moe_balance == "aux_loss"
   qk_tau = cfg.optimizer.qk_clip_tau
   chunk_tokens = model.impl.position_chunk_tokens
-  mutable = ["moe_state", "moe_stats"] + ([QK_STATS_COLLECTION] if qk_tau > 0 else [])
+  mutable = (["moe_stats", moe_layers.BALANCE_COLLECTION]
+             + ([QK_STATS_COLLECTION] if qk_tau > 0 else []))
+  chained = mcfg.moe_balance == "quantile" and mcfg.moe_qb_cadence == "microbatch"
 
-  def loss_fn(params, moe_state, batch):
-    """(total loss, (cross-entropy, aux loss, the mutated collections))."""
+  def loss_fn(params, moe_state, batch, num_micro: int = 1):
+    """(total loss, (cross-entropy, aux loss, the mutated collections)) of `batch`, one of the
+    `num_micro` equal micro-batches of a step (which sizes the exact QB statistic)."""
     variables = {"params": params, "moe_state": moe_state}
+    # A chained update reads this micro-batch's statistics alone.
+    update_balance = 1 if chained else num_micro
     if chunk_tokens > 0:
       # The head and the loss over chunks of positions: no [B, T, vocab] logits.
       (h, head), mutated = model.apply(variables, batch["inputs"], batch["segment_ids"],
-                                       update_balance=True, return_hidden=True, mutable=mutable)
+                                       update_balance=update_balance, return_hidden=True,
+                                       mutable=mutable)
       ce_sum, n = chunked_cross_entropy(h, head, batch["targets"], batch["loss_mask"],
                                         chunk_tokens)
     else:
       logits, mutated = model.apply(variables, batch["inputs"], batch["segment_ids"],
-                                    update_balance=True, mutable=mutable)
+                                    update_balance=update_balance, mutable=mutable)
       ce_sum, n = token_cross_entropy(logits, batch["targets"], batch["loss_mask"])
     ce = ce_sum / jnp.maximum(n, 1.0)
+    if chained:
+      # This micro-batch's own update, which the accumulation hands to the next micro-batch.
+      mutated = dict(mutated)
+      mutated["moe_state"] = moe_layers.balance_update(
+          mcfg, moe_state, mutated.pop(moe_layers.BALANCE_COLLECTION, {}))
     stats = mutated.get("moe_stats", {})
     aux = jnp.zeros([], jnp.float32)
     if use_aux:
@@ -103,7 +122,9 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
     per_micro = cfg.stages.microbatch_rows(seq_len, rows)
     if per_micro == rows:
       return jax.value_and_grad(loss_fn, has_aux=True)(params, moe_state, batch)
-    return accumulate.accumulate_scan(loss_fn, params, moe_state, batch, rows // per_micro)
+    num_micro = rows // per_micro
+    return accumulate.accumulate_scan(functools.partial(loss_fn, num_micro=num_micro), params,
+                                      moe_state, batch, num_micro)
 
   def apply_update(state: TrainState, total, ce, aux, mutated, grads):
     """Everything after the step's loss and gradients: (new state, metrics)."""
@@ -116,7 +137,11 @@ def make_train_step(cfg: config_lib.Config, model: K3Model, optimizer: optax.Gra
                          f"'max_logits' into the {QK_STATS_COLLECTION!r} collection")
       params = optim.apply_qk_clip(params, max_logits, qk_tau, mcfg)
     keep = (state.step % mcfg.moe_qb_interval) == 0
-    new_moe = mutated.get("moe_state", state.moe_state)
+    if chained:
+      new_moe = mutated["moe_state"]
+    else:
+      new_moe = moe_layers.balance_update(mcfg, state.moe_state,
+                                          mutated.get(moe_layers.BALANCE_COLLECTION, {}))
     moe_state = jax.tree.map(lambda new, old: jnp.where(keep, new, old), new_moe, state.moe_state)
     metrics = {"loss": ce, "total_loss": total, "aux_loss": aux,
                "grad_norm": optax.global_norm(grads), "lr": schedule(state.step),

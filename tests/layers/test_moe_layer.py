@@ -11,9 +11,14 @@ import numpy as np
 import pytest
 
 from k3jax.config import ImplConfig, ModelConfig
-from k3jax.layers.moe import (LatentMoE, Router, aux_balance_loss, loss_free_bias_update,
-                              max_violation, quantile_balance_thresholds,
+from k3jax.layers.moe import (BALANCE_COLLECTION, LatentMoE, Router, aux_balance_loss,
+                              balance_update, empty_balance_statistics, loss_free_bias_update,
+                              max_violation, pool_balance_statistics, qb_bias_from_top, qb_depth,
+                              qb_top_margins, quantile_balance_thresholds,
                               quantile_balance_update)
+from k3jax.ops.moe_ep import (qb_bias_from_histogram, qb_histogram,
+                              quantile_balance_update_histogram)
+from testlib import np_qb_bias_from_histogram, np_qb_exact_bias, np_qb_histogram
 
 
 def _cfg(**kw):
@@ -160,21 +165,40 @@ def test_latent_moe_padding_state_and_update():
   y2, _ = _apply(layer, variables, x2, mask)
   np.testing.assert_allclose(np.asarray(y2)[np.asarray(mask)], np.asarray(y)[np.asarray(mask)],
                              rtol=1e-6, atol=1e-6)
-  # update_balance writes exactly the QB bias of this batch's valid scores.
-  _, new = _apply(layer, variables, x, mask, True, ("moe_state", "moe_stats"))
+  # update_balance sows this batch's balance statistics and never writes the bias; the update
+  # from them is this batch's QB bias of its valid scores (exact, or from the 1000-bin histogram).
   params = nn.unbox(variables["params"])
   scores = jax.nn.sigmoid(x.reshape(-1, 16) @ params["router"]["kernel"])
-  expected = quantile_balance_update(scores, jnp.zeros(8), 2, mask.reshape(-1), cfg.moe_qb_rate,
-                                     cutoff=cfg.moe_qb_cutoff)
-  np.testing.assert_allclose(np.asarray(new["moe_state"]["bias"]), np.asarray(expected), atol=1e-6)
-  # Without update_balance the state is untouched; loss-free writes its sign step.
-  _, same = _apply(layer, variables, x, mask, False, ("moe_state", "moe_stats"))
-  np.testing.assert_array_equal(np.asarray(same["moe_state"]["bias"]), np.zeros(8))
+  collections = ("moe_state", "moe_stats", BALANCE_COLLECTION)
+  for bins in (0, 1000):
+    qb = LatentMoE(dataclasses.replace(cfg, moe_qb_histogram_bins=bins))
+    _, new = _apply(qb, variables, x, mask, True, collections)
+    np.testing.assert_array_equal(np.asarray(new["moe_state"]["bias"]), np.zeros(8))
+    assert int(new[BALANCE_COLLECTION]["tokens"]) == 26
+    if bins:
+      expected = quantile_balance_update_histogram(scores, jnp.zeros(8), 2, mask.reshape(-1),
+                                                   bins=bins, rate=cfg.moe_qb_rate,
+                                                   cutoff=cfg.moe_qb_cutoff)
+    else:
+      expected = quantile_balance_update(scores, jnp.zeros(8), 2, mask.reshape(-1),
+                                         cfg.moe_qb_rate, cutoff=cfg.moe_qb_cutoff)
+    updated = balance_update(qb.config, variables["moe_state"], new[BALANCE_COLLECTION])
+    np.testing.assert_allclose(np.asarray(updated["bias"]), np.asarray(expected), atol=1e-6)
+    assert not np.allclose(np.asarray(updated["bias"]), 0.0)
+  # Without update_balance nothing is sown; loss-free's statistic is the load, its update the
+  # sign step.
+  _, same = _apply(layer, variables, x, mask, False, collections)
+  assert not same.get(BALANCE_COLLECTION)
   lf = LatentMoE(dataclasses.replace(cfg, moe_balance="loss_free"))
-  _, new_lf = _apply(lf, variables, x, mask, True, ("moe_state", "moe_stats"))
+  _, new_lf = _apply(lf, variables, x, mask, True, collections)
+  np.testing.assert_array_equal(np.asarray(new_lf[BALANCE_COLLECTION]["load"]),
+                                np.asarray(new_lf["moe_stats"]["load"]).astype(np.int32))
   np.testing.assert_allclose(
-      np.asarray(new_lf["moe_state"]["bias"]),
+      np.asarray(balance_update(lf.config, variables["moe_state"],
+                                new_lf[BALANCE_COLLECTION])["bias"]),
       np.asarray(loss_free_bias_update(new_lf["moe_stats"]["load"], jnp.zeros(8), 1e-3)))
+  with pytest.raises(ValueError, match="update_balance"):
+    layer.apply(variables, x, mask, update_balance=-1, mutable=list(collections))
   # Gradients reach the router (through the weights) but never the bias.
   def loss(p):
     y, _ = layer.apply({"params": p, "moe_state": variables["moe_state"]}, x, mask,
@@ -227,9 +251,9 @@ def test_latent_moe_capacity_and_bf16():
 
 @pytest.mark.parametrize("balance", ["quantile", "loss_free", "aux_loss"])
 def test_latent_moe_chunked_equals_unchunked(balance):
-  """ImplConfig.position_chunk_tokens: outputs, loads, MaxVio, aux loss, the balance bias update
-  and the gradients (params and input) equal the whole-batch layer; T is not a multiple of the
-  chunk and the batch has padding."""
+  """ImplConfig.position_chunk_tokens: outputs, loads, MaxVio, aux loss, the balance statistics
+  and the bias update from them, and the gradients (params and input) equal the whole-batch
+  layer; T is not a multiple of the chunk and the batch has padding."""
   cfg = _cfg(moe_num_experts=8, moe_top_k=2, moe_balance=balance)
   x = jnp.asarray(np.random.default_rng(8).normal(size=(2, 11, 16)), jnp.float32)
   mask = jnp.ones((2, 11), bool).at[1, 7:].set(False)
@@ -243,7 +267,7 @@ def test_latent_moe_chunked_equals_unchunked(balance):
   def run(layer):
     def loss(params, x):
       y, new = layer.apply({"params": params, "moe_state": variables["moe_state"]}, x, mask,
-                           update_balance=True, mutable=["moe_state", "moe_stats"])
+                           update_balance=True, mutable=["moe_stats", BALANCE_COLLECTION])
       return jnp.sum(jnp.sin(y)), (y, new)
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(variables["params"], x)
 
@@ -258,10 +282,15 @@ def test_latent_moe_chunked_equals_unchunked(balance):
   for name in new0["moe_stats"]:
     np.testing.assert_allclose(np.asarray(new1["moe_stats"][name]),
                                np.asarray(new0["moe_stats"][name]), rtol=1e-6, err_msg=name)
-  np.testing.assert_allclose(np.asarray(new1["moe_state"]["bias"]),
-                             np.asarray(new0["moe_state"]["bias"]), rtol=1e-6, atol=1e-7)
+  assert jax.tree.structure(new1.get(BALANCE_COLLECTION, {})) == \
+      jax.tree.structure(new0.get(BALANCE_COLLECTION, {}))
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               new1.get(BALANCE_COLLECTION, {}), new0.get(BALANCE_COLLECTION, {}))
+  bias0, bias1 = (balance_update(cfg, variables["moe_state"], new.get(BALANCE_COLLECTION, {}))
+                  ["bias"] for new in (new0, new1))
+  np.testing.assert_array_equal(np.asarray(bias1), np.asarray(bias0))
   if balance != "aux_loss":
-    assert not np.allclose(np.asarray(new0["moe_state"]["bias"]), np.linspace(-0.2, 0.2, 8))
+    assert not np.allclose(np.asarray(bias0), np.linspace(-0.2, 0.2, 8))
   for got, want in zip(jax.tree.leaves(g1), jax.tree.leaves(g0)):
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
 
@@ -411,6 +440,118 @@ def test_qb_stream_of_skewed_batches():
   assert vio["qb_per_expert"] < 0.05 and summed[0].min() > 0
   assert vio["qb_token"] < 0.2 and summed[1].min() > 0
   assert vio["none"] > 1.0 and vio["loss_free"] > 1.0
+
+
+# ------------------------------------------------------------------ balance statistics of a step
+
+@pytest.mark.parametrize("bins,cutoff", [(1000, "per_expert"), (1000, "token"), (0, "per_expert"),
+                                         (0, "token")])
+def test_balance_statistics_pool_over_micro_batches_like_numpy(bins, cutoff):
+  """A step of 8 micro-batches (rows i, i + 8), each routed with the step's bias: the layer's
+  balance statistics, pooled, equal those of the whole batch at once bit for bit, and numpy's
+  over all the step's tokens (the histogram's counts; the exact statistic's largest margins);
+  the bias update from them is numpy's."""
+  cfg = _cfg(moe_num_experts=8, moe_top_k=2, moe_qb_histogram_bins=bins, moe_qb_cutoff=cutoff,
+             moe_qb_rate=0.8)
+  rng = np.random.default_rng(10)
+  x = jnp.asarray(rng.normal(size=(16, 12, 16)), jnp.float32)
+  mask = rng.random((16, 12)) > 0.2
+  layer = LatentMoE(cfg)
+  variables = _random_variables(layer, 11, x, jnp.asarray(mask))
+  bias = jnp.asarray(0.2 * rng.normal(size=8), jnp.float32)
+  variables["moe_state"]["bias"] = bias
+  collect = jax.jit(lambda x, m, n: layer.apply(
+      variables, x, m, update_balance=n, mutable=[BALANCE_COLLECTION])[1][BALANCE_COLLECTION],
+                    static_argnums=2)
+  whole = collect(x, jnp.asarray(mask), 1)
+  pooled = empty_balance_statistics(whole)
+  for i in range(8):
+    pooled = pool_balance_statistics(pooled, collect(x[i::8], jnp.asarray(mask[i::8]), 8))
+  assert jax.tree.structure(pooled) == jax.tree.structure(whole)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               pooled, whole)
+
+  scores = jax.jit(lambda x: Router(cfg).apply({"params": variables["params"]["router"]}, x,
+                                                bias)[0])(x)
+  scores, flat_mask = np.asarray(scores).reshape(-1, 8), mask.reshape(-1)
+  tokens = int(flat_mask.sum())
+  assert int(pooled["tokens"]) == tokens
+  if bins:
+    counts, lo, width = np_qb_histogram(scores, bias, 2, flat_mask, bins, cutoff)
+    np.testing.assert_array_equal(np.asarray(pooled["counts"]), counts)
+    expected = np_qb_bias_from_histogram(counts, tokens, bias, 2, lo, width, rate=0.8)
+  else:
+    expected, desc = np_qb_exact_bias(scores, bias, 2, flat_mask, cutoff, rate=0.8)
+    depth = qb_depth(16 * 12, 2, 8)
+    assert pooled["top_margins"].shape == (8, depth)
+    np.testing.assert_array_equal(np.asarray(pooled["top_margins"]), desc[:depth].T)
+  new = balance_update(cfg, variables["moe_state"], pooled)["bias"]
+  np.testing.assert_allclose(np.asarray(new), expected, rtol=0, atol=1e-6)
+
+
+def test_exact_statistic_pools_exactly_when_one_part_holds_the_top():
+  """`qb_top_margins` sized for the whole (`qb_depth` of all tokens) and pooled over four parts,
+  one of which holds every large margin of expert 0: the statistic and the bias of all tokens at
+  once, bit for bit."""
+  experts, k, per_part = 16, 2, 64
+  skew = np.zeros(experts, np.float32)
+  parts = [_skewed_scores(20 + i, per_part, skew + (3.0 if i == 0 else 0.0) * (np.arange(experts)
+                                                                                == 0))
+           for i in range(4)]
+  everything = jnp.concatenate(parts)
+  bias = jnp.asarray(_skew(21, experts, 0.1))
+  depth = qb_depth(4 * per_part, k, experts)
+  assert depth == 4 * per_part * k // experts + 2 and depth < per_part   # parts hold more
+
+  @jax.jit
+  def run(parts, everything):
+    pooled = empty_balance_statistics({"top_margins": jax.ShapeDtypeStruct((experts, depth),
+                                                                           jnp.float32),
+                                       "tokens": jax.ShapeDtypeStruct((), jnp.int32)})
+    for part in parts:
+      top, tokens = qb_top_margins(part, bias, k, cutoff="per_expert", depth=depth)
+      pooled = pool_balance_statistics(pooled, {"top_margins": top, "tokens": tokens})
+    top, tokens = qb_top_margins(everything, bias, k, cutoff="per_expert")
+    return (pooled, {"top_margins": top, "tokens": tokens},
+            qb_bias_from_top(pooled["top_margins"], pooled["tokens"], bias, k),
+            quantile_balance_update(everything, bias, k, cutoff="per_expert"))
+
+  pooled, whole, new, expected = run(parts, everything)
+  jax.tree.map(lambda a, b: np.testing.assert_array_equal(np.asarray(a), np.asarray(b)),
+               pooled, whole)
+  np.testing.assert_array_equal(np.asarray(new), np.asarray(expected))
+
+
+def test_balance_update_of_plain_and_stacked_layers():
+  """`balance_update` walks the 'moe_state' tree: a plain layer's bias [E] and a scanned group's
+  [G, E] each get their own layer's update (histogram QB; loss-free from the pooled load), and a
+  layer without statistics keeps its bias."""
+  experts, k, bins = 8, 2, 64
+  rng = np.random.default_rng(12)
+  biases = [jnp.asarray(0.1 * rng.normal(size=experts), jnp.float32) for _ in range(4)]
+  scores = [_skewed_scores(30 + i, 40, _skew(31 + i, experts, 1.0)) for i in range(3)]
+  state = {"layer_1": {"moe": {"bias": biases[0]}},
+           "scan": {"layer_2": {"moe": {"bias": jnp.stack(biases[1:3])}}},
+           "layer_9": {"moe": {"bias": biases[3]}}}
+  cfg = _cfg(moe_num_experts=experts, moe_top_k=k, moe_qb_histogram_bins=bins)
+  hist = [dict(zip(("counts", "tokens"), qb_histogram(s, b, k, bins=bins, cutoff="per_expert")))
+          for s, b in zip(scores, biases)]
+  stats = {"layer_1": {"moe": hist[0]},
+           "scan": {"layer_2": {"moe": jax.tree.map(lambda *x: jnp.stack(x), *hist[1:])}}}
+  new = jax.jit(balance_update, static_argnums=0)(cfg, state, stats)
+  assert jax.tree.structure(new) == jax.tree.structure(state)
+  expected = [qb_bias_from_histogram(h["counts"], h["tokens"], b, k, cfg.moe_qb_rate)
+              for h, b in zip(hist, biases)]
+  np.testing.assert_allclose(np.asarray(new["layer_1"]["moe"]["bias"]), np.asarray(expected[0]),
+                             atol=1e-7)
+  np.testing.assert_allclose(np.asarray(new["scan"]["layer_2"]["moe"]["bias"]),
+                             np.stack(expected[1:]), atol=1e-7)
+  np.testing.assert_array_equal(np.asarray(new["layer_9"]["moe"]["bias"]), np.asarray(biases[3]))
+  lf = dataclasses.replace(cfg, moe_balance="loss_free")
+  load = jnp.array([5, 1, 3, 3, 3, 3, 3, 3], jnp.int32)
+  new = balance_update(lf, {"moe": {"bias": biases[0]}}, {"moe": {"load": load}})
+  np.testing.assert_array_equal(np.asarray(new["moe"]["bias"]),
+                                np.asarray(loss_free_bias_update(load, biases[0], 1e-3)))
 
 
 # -------------------------------------------------------------------------------------- baselines

@@ -17,6 +17,7 @@ from k3jax.ops import moe_ep
 from k3jax.ops.grouped_matmul import default_ragged_dot
 from k3jax.ops.moe import routed_experts
 from testlib import error_ratio as _error_ratio
+from testlib import np_qb_bias_from_histogram, np_qb_histogram
 
 BETAS = dict(beta1=4.0, beta2=25.0)
 N, LATENT, HIDDEN, E, K = 64, 16, 24, 8, 2
@@ -187,66 +188,73 @@ def _sigmoid(x):
   return (1 / (1 + np.exp(-x))).astype(np.float32)
 
 
-def _exact_thresholds(scores, bias, k, mask):
-  """Sort-based per-expert thresholds in numpy (fractional rank by interpolation)."""
-  s = np.asarray(scores, np.float64)[np.asarray(mask)] + np.asarray(bias, np.float64)
-  m, n = s.shape
-  cutoff = -np.sort(-s, axis=1)[:, k]
-  margins = -np.sort(-(s - cutoff[:, None]), axis=0)           # descending per column
-  q = m * k / n
-  lo = min(int(np.floor(q)), m - 1)
-  hi = min(lo + 1, m - 1)
-  frac = q - np.floor(q)
-  return margins[lo] + frac * (margins[hi] - margins[lo])
-
-
-@pytest.mark.parametrize("bins", [16, 1024])
-def test_histogram_qb_within_one_bin(bins):
-  rng = np.random.default_rng(3)
-  tokens, experts, k = 512, 16, 4
-  scores = _sigmoid(rng.standard_normal((tokens, experts)) + 0.3 * np.arange(experts) / experts)
+def _hist_problem(seed, tokens=512, experts=16, valid_frac=0.85):
+  rng = np.random.default_rng(seed)
+  scores = _sigmoid(rng.standard_normal((tokens, experts)) + 0.6 * np.arange(experts) / experts)
   bias = (0.05 * rng.standard_normal(experts)).astype(np.float32)
-  mask = rng.random(tokens) < 0.85
+  mask = rng.random(tokens) < valid_frac
+  return scores, bias, mask
+
+
+@pytest.mark.parametrize("cutoff", ["token", "per_expert"])
+@pytest.mark.parametrize("bins", [16, 1000])
+def test_histogram_qb_equals_numpy(bins, cutoff):
+  """`qb_histogram`'s counts equal numpy's exactly, and the bias read from them numpy's."""
+  scores, bias, mask = _hist_problem(3)
+  k = 4
 
   @jax.jit
   def run(scores, bias, mask):
-    return (moe_ep.histogram_quantile_thresholds(scores, bias, k, mask, bins=bins),
-            quantile_balance_update(scores, bias, k, mask),
-            moe_ep.quantile_balance_update_histogram(scores, bias, k, mask, bins=bins))
+    counts, tokens = moe_ep.qb_histogram(scores, bias, k, mask, bins=bins, cutoff=cutoff)
+    return counts, tokens, moe_ep.qb_bias_from_histogram(counts, tokens, bias, k, rate=0.7)
 
-  (t, width, num_valid), exact, hist = run(scores, bias, mask)
-  assert float(num_valid) == float(np.sum(mask))
-  t_exact = _exact_thresholds(scores, bias, k, mask)
-  assert np.all(np.abs(np.asarray(t) - t_exact) <= 0.5 * np.asarray(width) * (1 + 1e-4))
-  assert np.max(np.abs(np.asarray(hist) - np.asarray(exact))) <= np.max(np.asarray(width))
-  assert abs(float(np.mean(hist))) < 1e-6
-  if bins == 1024:  # margins span < 2, so 1024 bins resolve the thresholds to ~2e-3
-    assert np.max(np.asarray(width)) < 2.5e-3
+  counts, tokens, new_bias = run(scores, bias, mask)
+  ref_counts, lo, width = np_qb_histogram(scores, bias, k, mask, bins, cutoff)
+  assert counts.dtype == jnp.int32 and int(tokens) == int(mask.sum())
+  np.testing.assert_array_equal(np.asarray(counts), ref_counts)
+  np.testing.assert_allclose(np.asarray(new_bias),
+                             np_qb_bias_from_histogram(ref_counts, int(mask.sum()), bias, k, lo,
+                                                       width, rate=0.7), rtol=0, atol=2e-6)
+  assert abs(float(np.mean(np.asarray(new_bias)))) < 1e-6
 
 
-def test_histogram_qb_sharded_equals_global():
+@pytest.mark.parametrize("cutoff", ["token", "per_expert"])
+def test_histogram_qb_within_a_bin_of_the_exact_update(cutoff):
+  """With an integer q (all 512 tokens valid, k = 4, E = 16: q = 128) the histogram's one-shot
+  bias is within two bin widths of the exact update's (a bin for the quantile, a bin for the
+  centring), and 1000 bins resolve it to ~2e-3."""
+  scores, bias, _ = _hist_problem(4)
+  k = 4
+  hist = moe_ep.quantile_balance_update_histogram(scores, bias, k, bins=1000, cutoff=cutoff)
+  exact = quantile_balance_update(scores, bias, k, cutoff=cutoff)
+  _, _, width = np_qb_histogram(scores, bias, k, np.ones(512, bool), 1000, cutoff)
+  assert width < 2.5e-3
+  assert float(np.max(np.abs(np.asarray(hist) - np.asarray(exact)))) <= 2 * width
+
+
+def test_histogram_qb_counts_add_over_splits_and_devices():
+  """The counts of any split of the tokens (four chunks; the shards of a data:2,expert:4
+  shard_map) sum to those of all tokens, bit for bit, and so give the same bias."""
   mesh = sharding.make_mesh("data:2,expert:4")
-  rng = np.random.default_rng(4)
-  tokens, experts, k = 256, 8, 2
-  scores = _sigmoid(rng.standard_normal((tokens, experts)))
-  bias = (0.1 * rng.standard_normal(experts)).astype(np.float32)
-  mask = rng.random(tokens) < 0.7
-  axes = sharding.BATCH_AXES
+  scores, bias, mask = _hist_problem(5, tokens=256, experts=8, valid_frac=0.7)
+  k, bins, axes = 2, 1000, sharding.BATCH_AXES
   local = jax.shard_map(
-      lambda s, b, m: moe_ep.quantile_balance_update_histogram(s, b, k, m, axis_name=axes,
-                                                               rate=0.5),
-      mesh=mesh, in_specs=(P(axes), P(), P(axes)), out_specs=P())
+      lambda s, b, m: moe_ep.qb_histogram(s, b, k, m, bins=bins, axis_name=axes),
+      mesh=mesh, in_specs=(P(axes), P(), P(axes)), out_specs=(P(), P()))
 
   @jax.jit
   def run(scores, bias, mask):
-    return (local(scores, bias, mask),
-            moe_ep.quantile_balance_update_histogram(scores, bias, k, mask, rate=0.5),
-            quantile_balance_update(scores, bias, k, mask, rate=0.5),
-            moe_ep.histogram_quantile_thresholds(scores, bias, k, mask)[1])
+    whole = moe_ep.qb_histogram(scores, bias, k, mask, bins=bins)
+    chunks = [moe_ep.qb_histogram(scores[i::4], bias, k, mask[i::4], bins=bins) for i in range(4)]
+    summed = jax.tree.map(lambda *x: sum(x), *chunks)
+    return whole, summed, local(scores, bias, mask)
 
-  sharded, global_, exact, width = run(scores, bias, mask)
-  np.testing.assert_allclose(sharded, global_, rtol=0, atol=1e-6)
-  assert np.max(np.abs(np.asarray(sharded) - np.asarray(exact))) <= 0.5 * float(np.max(width))
+  whole, summed, sharded = run(scores, bias, mask)
+  for other in (summed, sharded):
+    for a, b in zip(other, whole):
+      np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+  to_bias = lambda c: np.asarray(moe_ep.qb_bias_from_histogram(c[0], c[1], bias, k))
+  np.testing.assert_array_equal(to_bias(sharded), to_bias(whole))
 
 
 def test_histogram_qb_no_valid_token_keeps_bias():
