@@ -615,6 +615,13 @@ REPLACED_VALUES = {
     ("ImplConfig.attention_impl", "tokamax_pallas_bwd"): "tokamax_mosaic_bwd",
     ("ImplConfig.attention_impl", "pallas"): "tokamax_mosaic_bwd",
 }
+# Settings added after run directories were first written whose default computes something else
+# than the code before them: 'Configurable.field' -> the value that computes what that code did. A
+# stored config.gin that lacks one is read with this value (`run_dir.read_config`), so that a resumed
+# run names the change. Fields whose default keeps the old computation are not listed.
+ADDED_FIELDS = {
+    "ModelConfig.moe_qb_cadence": "microbatch",
+}
 _SETTING = re.compile(r"^(\s*)([A-Za-z_]\w*\.[A-Za-z_]\w*)(\s*=)", re.MULTILINE)
 
 

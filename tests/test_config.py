@@ -231,7 +231,9 @@ def test_read_config_reads_a_run_directory_written_before_the_move(tmp_path):
       # The buckets that run was written with (the default then; () derives them now).
       "EvalConfig.position_buckets = (0, 1024, 8192, 65536, 262144)",
       # Likewise the exact QB quantile (the default then; 1000 histogram bins now).
-      "ModelConfig.moe_qb_histogram_bins = 0"])
+      "ModelConfig.moe_qb_histogram_bins = 0",
+      # And the QB update of every micro-batch, which the code of then made.
+      "ModelConfig.moe_qb_cadence = 'microbatch'"])
   assert cfg == expected
   assert len(notes) == 1 and "\n" not in notes[0]
   assert notes[0].startswith(f"{tmp_path / 'config.gin'} was written with settings that have "
@@ -239,9 +241,12 @@ def test_read_config_reads_a_run_directory_written_before_the_move(tmp_path):
   assert "ModelConfig.scan_layers -> ImplConfig.scan_layers" in notes[0]
   assert "StagesConfig.remat -> ImplConfig.stage_remat" in notes[0]
   assert "'auto_mosaic_bwd' -> 'auto'" in notes[0]
-  # A resumed run compares the stored settings under their new names: nothing changed but the
-  # setting added since (which the resumed run is told of).
-  added = ["ModelConfig.moe_qb_cadence: (unset) -> 'step'"]
+  # A resumed run compares the stored settings under their new names: the same config is no
+  # change, and today's default cadence is named as one.
+  assert run_dir.changed_settings(str(tmp_path), expected) == []
+  added = ["ModelConfig.moe_qb_cadence: 'microbatch' -> 'step'"]
+  expected = dataclasses.replace(expected, model=dataclasses.replace(
+      expected.model, moe_qb_cadence="step"))
   assert run_dir.changed_settings(str(tmp_path), expected) == added
   assert run_dir.changed_settings(
       str(tmp_path), dataclasses.replace(expected, impl=dataclasses.replace(

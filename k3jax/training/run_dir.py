@@ -4,7 +4,9 @@ lock that keeps one writer per directory, and the checks of writes the filesyste
 DIR/config.gin holds `config.to_gin(cfg)` (every field of every part; re-parsable) and
 DIR/config.json the same as JSON. A resumed run compares the stored config with its own and names
 each changed setting; evaluation and generation rebuild the run's Config from config.gin. A
-config.gin written before a setting moved (`config.MOVED_FIELDS`) is read with its new name.
+config.gin written before a setting moved (`config.MOVED_FIELDS`) is read with its new name, and
+one written before a setting of `config.ADDED_FIELDS` existed with the value that computes what
+the code then did.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ def write_config(workdir: str, cfg: config_lib.Config) -> None:
 
 
 def _stored_text(workdir: str, log: Callable[[str], None]) -> str | None:
-  """DIR/config.gin's bindings with moved settings renamed (said once through `log`), or None
-  when the directory has none."""
+  """DIR/config.gin's bindings with moved settings renamed (said once through `log`) and the
+  `config.ADDED_FIELDS` it lacks at their old values, or None when the directory has none."""
   path = os.path.join(workdir, CONFIG_GIN)
   if not os.path.isfile(path):
     return None
@@ -42,6 +44,10 @@ def _stored_text(workdir: str, log: Callable[[str], None]) -> str | None:
     text, renamed = config_lib.renamed_settings(f.read())
   if renamed:
     log(f"{path} was written with settings that have since moved; read as: " + "; ".join(renamed))
+  stored = {line.split("=", 1)[0].strip() for line in text.splitlines() if "=" in line}
+  for name, value in config_lib.ADDED_FIELDS.items():
+    if name not in stored:  # written before the setting existed: what the code then computed
+      text += ("" if text.endswith("\n") or not text else "\n") + f"{name} = {value!r}\n"
   return text
 
 
