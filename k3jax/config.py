@@ -45,6 +45,7 @@ BALANCE_METHODS = ("quantile", "loss_free", "aux_loss", "none")
 FFN_ACTIVATIONS = ("situ_glu", "swiglu")
 A_LOG_INITS = ("auto", "zero", "log_uniform")
 QB_CADENCES = ("step", "microbatch")
+MESH_AXES = ("data", "context", "expert")   # k3jax.parallel.sharding.MESH_AXES
 KDA_BACKENDS = ("auto", "xla", "pallas")
 # The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
 # k3jax.ops.kernel_choice.
@@ -464,9 +465,11 @@ class RuntimeConfig:
 @gin.configurable
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-  """Device mesh: `axes` like 'data:2,expert:4' (sizes multiply to the device count).
+  """Device mesh: `axes` like 'data:2,context:4' (sizes multiply to the device count).
 
-  Empty: a single-device run (no mesh). Outside the MoE the expert axis also shards the batch.
+  Empty: a single-device run (no mesh). `data` splits the batch; `context` splits each row into
+  contiguous slices (k3jax.parallel.context); `expert` splits the routed experts, and outside the
+  MoE it splits the batch too.
   """
   axes: str = ""
 
@@ -475,8 +478,8 @@ class MeshConfig:
       return
     for part in self.axes.split(","):
       name, _, size = part.partition(":")
-      _check(name in ("data", "expert") and size.isdigit() and int(size) > 0, "MeshConfig.axes",
-             "comma-separated 'name:size' with name in ('data', 'expert'), e.g. 'data:2,expert:4'",
+      _check(name in MESH_AXES and size.isdigit() and int(size) > 0, "MeshConfig.axes",
+             f"comma-separated 'name:size' with name in {MESH_AXES}, e.g. 'data:2,context:4'",
              self.axes)
 
 

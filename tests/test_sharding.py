@@ -40,15 +40,17 @@ TINY = ModelConfig(vocab_size=64, d_model=32, num_layers=4, moe_num_experts=8, m
 
 
 def test_make_mesh_shapes():
-  assert dict(sharding.make_mesh("").shape) == {"data": 8, "expert": 1}
-  assert dict(sharding.make_mesh("data:2,expert:4").shape) == {"data": 2, "expert": 4}
-  assert dict(sharding.make_mesh("expert:8").shape) == {"data": 1, "expert": 8}
+  shape = lambda spec, **kw: dict(sharding.make_mesh(spec, **kw).shape)
+  assert shape("") == {"data": 8, "context": 1, "expert": 1}
+  assert shape("data:2,expert:4") == {"data": 2, "context": 1, "expert": 4}
+  assert shape("expert:8") == {"data": 1, "context": 1, "expert": 8}
+  assert shape("context:2,data:2,expert:2") == {"data": 2, "context": 2, "expert": 2}
   mesh = sharding.make_mesh("expert:4,data:2")
-  assert mesh.axis_names == ("data", "expert")        # order is fixed whatever the flag says
+  assert mesh.axis_names == ("data", "context", "expert")   # fixed whatever the flag's order
   two = sharding.make_mesh("expert:2", devices=jax.devices()[:2])
-  assert dict(two.shape) == {"data": 1, "expert": 2}
+  assert dict(two.shape) == {"data": 1, "context": 1, "expert": 2}
   assert set(two.devices.flat) == set(jax.devices()[:2])
-  assert dict(sharding.make_mesh("", devices=jax.devices()[:2]).shape) == {"data": 2, "expert": 1}
+  assert shape("", devices=jax.devices()[:2]) == {"data": 2, "context": 1, "expert": 1}
 
 
 @pytest.mark.parametrize("flag,match", [
@@ -101,7 +103,7 @@ def test_rule_table_partition_specs():
   # Activations.
   rules = sharding.LOGICAL_AXIS_RULES
   assert nn.logical_to_mesh_axes(("activation_batch", "activation_length", "activation_embed"),
-                                 rules) == P(("data", "expert"), None, None)
+                                 rules) == P(("data", "expert"), "context", None)
   assert nn.logical_to_mesh_axes(("activation_exp", None), rules) == P("expert", None)
 
 
@@ -388,7 +390,7 @@ def test_map_over_batch_shards_sums_the_shared_arrays_gradients_over_devices():
 
 def test_map_over_batch_shards_rejects_indivisible_batch():
   mesh = sharding.make_mesh("data:8")
-  with sharding.with_mesh(mesh), pytest.raises(ValueError, match=r"batch size 6.*total size 8"):
+  with sharding.with_mesh(mesh), pytest.raises(ValueError, match=r"shape \(6, 3\).*dimension 0.*total size 8"):
     sharding.map_over_batch_shards(lambda x: x, jnp.zeros((6, 3)))
 
 

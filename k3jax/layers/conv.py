@@ -23,7 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from k3jax.parallel import sharding
+from k3jax.parallel import context, sharding
 from k3jax.layers.common import logical_param
 from k3jax.ops.kernel_choice import pallas_or_xla
 from pallas_kernels.short_conv import ConvConfig, conv_silu_bwd, conv_silu_fwd
@@ -225,7 +225,10 @@ def conv_silu(x: jax.Array, kernel: jax.Array, segment_ids: Optional[jax.Array],
     raise ValueError(f"conv_silu: segment_ids must be [B, T] = {x.shape[:2]}, got "
                      f"{segment_ids.shape}")
   choice = pallas_or_xla(kernel_choice, "ImplConfig.kda_conv_kernel")
-  return IMPLEMENTATIONS[choice](x, kernel, segment_ids, jnp.dtype(out_dtype))
+  out_dtype = jnp.dtype(out_dtype)
+  impl = lambda x, kernel, seg: IMPLEMENTATIONS[choice](x, kernel, seg, out_dtype)
+  # Under a mesh with a context axis each slice convolves its tokens after the W-1 before them.
+  return context.conv_over_slices(impl, x, kernel, segment_ids)
 
 
 class ShortConv(nn.Module):

@@ -34,7 +34,10 @@ import jax.numpy as jnp
 
 from k3jax.config import ImplConfig, ModelConfig
 from k3jax.layers.common import RMSNorm, config_weight, sigmoid_gate, to_dtype
-from k3jax.ops.attention import attention, max_attention_logits
+from k3jax.ops.attention import (DEFAULT_KV_BLOCK, DEFAULT_Q_BLOCK, attention,
+                                 max_attention_logits)
+from k3jax.ops.attention_blockwise import blockwise_max_logits
+from k3jax.parallel import context
 
 # DeepSeek / Kimi use eps 1e-6 on the q_a / kv_a LoRA norms (docs/architecture.md §2).
 LORA_NORM_EPS = 1e-6
@@ -98,20 +101,49 @@ class GatedMLA(nn.Module):
     return jnp.einsum("bthv,hvd->btd", o.astype(dtype), w_o)
 
   def _full_attention(self, q, c_kv, k_rope, w_uk, w_uv, segment_ids, scale):
-    """Materialised per-head K/V (training and the reference for decode). Returns [B, T, H, v]."""
-    k_nope = jnp.einsum("btr,rhk->bthk", c_kv, w_uk)
-    if k_rope is not None:
-      kr = jnp.broadcast_to(k_rope[:, :, None, :], k_nope.shape[:3] + (k_rope.shape[-1],))
-      k = jnp.concatenate([k_nope, kr], axis=-1)
-    else:
-      k = k_nope
-    v = jnp.einsum("btr,rhv->bthv", c_kv, w_uv)
+    """Materialised per-head K/V (training and the reference for decode). Returns [B, T, H, v].
+
+    Under a mesh with a context axis, each slice of the row all-gathers the latent c_kv / k_rope
+    of the whole row (never the expanded keys and values), expands it and attends its queries to
+    it (`k3jax.parallel.context.mla_attention_over_slices`)."""
+    if context.context_slices() > 1:
+      return self._attention_over_slices(q, c_kv, k_rope, w_uk, w_uv, segment_ids, scale)
+    k, v = _expand(c_kv, k_rope, w_uk, w_uv)
     if self.is_mutable_collection("attn_stats"):
       # QK-Clip reads the per-head max logit; computed only when the trainer asks for it.
       self.sow("attn_stats", "max_logits",
                max_attention_logits(q, k, segment_ids=segment_ids, scale=scale))
     return attention(q, k, v, q_segment_ids=segment_ids, kv_segment_ids=segment_ids, causal=True,
                      scale=scale, implementation=self.impl.attention_impl)
+
+  def _attention_over_slices(self, q, c_kv, k_rope, w_uk, w_uv, segment_ids, scale):
+    implementation = self.impl.attention_impl
+    if implementation not in ("auto", "xla"):
+      raise ValueError(f"ImplConfig.attention_impl = {implementation!r} attends within one row on "
+                       "one device; under context parallelism (a mesh with a context axis) MLA "
+                       "runs the 'xla' attention over the gathered latent: set 'auto' or 'xla'")
+    want_stats = self.is_mutable_collection("attn_stats")
+
+    def attend(w_uk, w_uv, q, c_row, rope_row, q_seg, kv_seg, q_pos, kv_pos):
+      k, v = _expand(c_row, rope_row, w_uk, w_uv)
+      b = q.shape[0]
+      q_pos, kv_pos = (jnp.broadcast_to(p, (b, p.shape[0])) for p in (q_pos, kv_pos))
+      o = attention(q, k, v, q_segment_ids=q_seg, kv_segment_ids=kv_seg, q_positions=q_pos,
+                    kv_positions=kv_pos, causal=True, scale=scale, implementation="xla")
+      if not want_stats:
+        return o
+      # Per device: the max over its rows and slice, [1, 1, H]; the max over devices follows.
+      stats = blockwise_max_logits(q, k, q_seg, q_pos, kv_seg, kv_pos, scale=float(scale),
+                                   causal=True, q_block=DEFAULT_Q_BLOCK, kv_block=DEFAULT_KV_BLOCK)
+      return o, stats[None, None]
+
+    out = context.mla_attention_over_slices(attend, q, c_kv, k_rope, segment_ids,
+                                            shared=(w_uk, w_uv))
+    if not want_stats:
+      return out
+    o, stats = out
+    self.sow("attn_stats", "max_logits", jax.lax.stop_gradient(jnp.max(stats, axis=(0, 1))))
+    return o
 
   def _cache_vars(self, b, max_len, dtype):
     cfg = self.config
@@ -158,3 +190,14 @@ class GatedMLA(nn.Module):
                       kv_positions=jnp.arange(max_len, dtype=jnp.int32),
                       causal=True, scale=scale, implementation="xla")
     return jnp.einsum("bthr,rhv->bthv", o_lat, w_uv)
+
+
+def _expand(c_kv: jax.Array, k_rope: Optional[jax.Array], w_uk: jax.Array,
+            w_uv: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-head keys [B, S, H, nope + rope] and values [B, S, H, v] from the latent c_kv [B, S, R]
+  and the shared rope key k_rope [B, S, rope] (or None)."""
+  k = jnp.einsum("btr,rhk->bthk", c_kv, w_uk)
+  if k_rope is not None:
+    kr = jnp.broadcast_to(k_rope[:, :, None, :], k.shape[:3] + (k_rope.shape[-1],))
+    k = jnp.concatenate([k, kr], axis=-1)
+  return k, jnp.einsum("btr,rhv->bthv", c_kv, w_uv)

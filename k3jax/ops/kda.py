@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from k3jax.parallel import sharding
+from k3jax.parallel import context, sharding
 
 _HIGHEST = jax.lax.Precision.HIGHEST
 _BACKENDS = ("auto", "xla", "pallas")
@@ -369,6 +369,22 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   if A_log is None and (dt_bias is not None or lower_bound is not None):
     raise ValueError("chunk_kda: dt_bias and lower_bound belong to the fused gate: pass A_log too "
                      "(or pass the log decay kda_gate(...) as g, without them)")
+  if context.context_slices() > 1:
+    # The row is split over the mesh's context axis: each slice runs this op on its tokens and
+    # the slices pass their states (k3jax.parallel.context).
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+      raise ValueError("chunk_kda under context parallelism (a mesh with a context axis) takes "
+                       "neither initial_state, output_final_state nor cu_seqlens: those are for "
+                       "decoding and packed single rows; use segment_ids")
+    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                   backend=backend, lower_bound=lower_bound,
+                   qkv_zero_at_padding=qkv_zero_at_padding)
+
+    def one_slice(a_log, dt_b, q, k, v, g, beta, h0, seg):
+      return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
+                       segment_ids=seg, A_log=a_log, dt_bias=dt_b, **options)
+    return context.kda_over_slices(one_slice, q, k, v, g, beta, segment_ids,
+                                   shared=(A_log, dt_bias)), None
   (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
       q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
   fused = A_log is not None

@@ -63,7 +63,7 @@ from k3jax.ops.grouped_matmul import RaggedDotFn
 from k3jax.ops.moe import _check_shapes, grouped_situ_glu, qb_bars, routed_experts
 from k3jax.ops.moe_rows import (gather_rows, permute_rows, sort_with_inverse, sorted_group_sizes,
                                 weighted_combine)
-from k3jax.parallel.sharding import BATCH_AXES
+from k3jax.parallel.sharding import BATCH_AXES, TOKEN_AXES
 
 EXPERT_AXIS = "expert"
 
@@ -217,7 +217,9 @@ def routed_experts_ep(
   if any(a not in sizes for a in BATCH_AXES):
     raise ValueError(f"routed_experts_ep: mesh axes {tuple(sizes)} must include {BATCH_AXES}")
   num_ep = sizes[EXPERT_AXIS]
-  devices = math.prod(sizes[a] for a in BATCH_AXES)
+  # The flattened [B * T] tokens: rows over the batch axes, and each row's slices over 'context'.
+  token_axes = tuple(a for a in TOKEN_AXES if a in sizes)
+  devices = math.prod(sizes[a] for a in token_axes)
   n = z.shape[0]
   k = expert_idx.shape[1]
   num_experts = w_gate.shape[0]
@@ -226,15 +228,15 @@ def routed_experts_ep(
                      f"'expert' mesh axis of size {num_ep}; it must divide moe_num_experts")
   if n % devices:
     raise ValueError(f"routed_experts_ep: {n} tokens cannot be split over the {devices} devices "
-                     f"of the batch axes {BATCH_AXES}; batch·length must be a multiple of it")
+                     f"of the token axes {token_axes}; batch·length must be a multiple of it")
   capacity = ep_capacity(n // devices, k, num_experts, num_ep, capacity_factor)
   if valid is None:
     valid = jnp.ones((n,), bool)
 
   body = lambda *a: _local_ep(*a, num_experts=num_experts, num_ep=num_ep, capacity=capacity,
                               beta1=beta1, beta2=beta2, ragged_dot_fn=ragged_dot_fn,
-                              activation=activation, reduce_axes=BATCH_AXES)
-  tok = P(BATCH_AXES)
+                              activation=activation, reduce_axes=token_axes)
+  tok = P(token_axes)
   expert_w = P(EXPERT_AXIS)
   y, load, dropped = _shard_map(
       body, mesh, in_specs=(tok, tok, tok, tok, expert_w, expert_w, expert_w),

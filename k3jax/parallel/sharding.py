@@ -1,4 +1,5 @@
-"""The device mesh (`data` x `expert`) and the one table mapping logical axis names to mesh axes.
+"""The device mesh (`data` x `context` x `expert`) and the one table mapping logical axis names to
+mesh axes.
 
 k3jax adds no distributed runtime of its own: it builds a `jax.sharding.Mesh`, gives every
 parameter, optimizer-state leaf and batch an explicit `NamedSharding`, and lets XLA's SPMD
@@ -8,12 +9,16 @@ partitioner insert the collectives (NCCL on GPU). Only the MoE expert dispatch i
 Mesh axes, in this order (the last one varies fastest over `jax.devices()`, so on a multi-host run
 the `expert` groups stay inside a host's NVLink domain and `data` spans hosts):
   data:   pure data parallelism (batch sharded, weights replicated unless `fsdp=True`).
+  context: context parallelism: each row's tokens split into contiguous slices, one per device of
+          the axis. Position-wise layers run on their slice unchanged; KDA passes its state between
+          slices and MLA all-gathers its compressed latent (`k3jax/parallel/context.py`).
   expert: expert parallelism inside the MoE (each device holds E / n_expert routed experts); outside
           the MoE it shards the batch too (MaxText's pattern), so no device idles in attention.
 
 Logical names (declared by the layers, `k3jax/layers/common.py`) are mapped by `LOGICAL_AXIS_RULES`:
 
   activation_batch -> ('data', 'expert')   activation_exp -> 'expert'    expert -> 'expert'
+  activation_length -> 'context'
   everything else  -> None (replicated; so is 'layers', the stacked axis of the decoder's scanned
                       layers); with fsdp=True, 'embed' -> ('data', 'expert') and the routed
                       experts' 'latent' -> 'data' (ZeRO-3 style: XLA all-gathers weights before
@@ -45,8 +50,11 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 from k3jax import config as config_lib
 
-MESH_AXES = ("data", "expert")
+MESH_AXES = config_lib.MESH_AXES
 BATCH_AXES = ("data", "expert")
+CONTEXT_AXIS = "context"
+# The axes a flattened [B * T] token dimension is split over (batch major, then the slices of a row).
+TOKEN_AXES = BATCH_AXES + (CONTEXT_AXIS,)
 
 # Logical name -> mesh axes. Order matters only where a name appears twice (first free assignment
 # wins, flax's rule semantics); every logical name the layers use must appear, so that a typo in a
@@ -55,7 +63,7 @@ LOGICAL_AXIS_RULES: tuple = (
     # activations
     ("activation_batch", BATCH_AXES),
     ("activation_exp", "expert"),
-    ("activation_length", None),
+    ("activation_length", CONTEXT_AXIS),
     ("activation_embed", None),
     ("activation_heads", None),
     # parameters
@@ -104,7 +112,7 @@ def logical_axis_rules(fsdp: bool = False) -> tuple:
 
 
 def parse_mesh_spec(spec: str) -> dict[str, Optional[int]]:
-  """'data:2,expert:4' -> {'data': 2, 'expert': 4}; a missing axis maps to None.
+  """'data:2,expert:4' -> {'data': 2, 'context': None, 'expert': 4}; a missing axis maps to None.
 
   Raises ValueError naming the flag for unknown names, repeated names or non-positive sizes.
   """
@@ -124,15 +132,14 @@ def parse_mesh_spec(spec: str) -> dict[str, Optional[int]]:
 
 
 def make_mesh(spec: str = "", devices: Optional[Sequence[jax.Device]] = None) -> Mesh:
-  """Builds the ('data', 'expert') mesh from a flag like 'data:2,expert:4'.
+  """Builds the ('data', 'context', 'expert') mesh from a flag like 'data:2,context:4'.
 
   Args:
-    spec: comma-separated 'axis:size'. Empty: all devices on 'data', expert 1. If only one axis
-      is given, the other is 1.
+    spec: comma-separated 'axis:size'. Empty: all devices on 'data'. An axis not given has size 1.
     devices: the devices to use (default `jax.devices()`, all processes' devices).
 
   Returns:
-    A `Mesh` with axis names ('data', 'expert') and `AxisType.Auto` axes (GSPMD-style propagation
+    A `Mesh` with axis names ('data', 'context', 'expert') and `AxisType.Auto` axes (GSPMD-style propagation
     of `with_sharding_constraint` hints; `jax.make_mesh` defaults to Explicit).
 
   Raises:
@@ -140,9 +147,9 @@ def make_mesh(spec: str = "", devices: Optional[Sequence[jax.Device]] = None) ->
   """
   devices = list(jax.devices() if devices is None else devices)
   sizes = parse_mesh_spec(spec)
-  if sizes["data"] is None and sizes["expert"] is None:
-    sizes = {"data": len(devices), "expert": 1}
-  shape = tuple(1 if sizes[a] is None else sizes[a] for a in MESH_AXES)
+  if all(size is None for size in sizes.values()):
+    sizes = {"data": len(devices)}
+  shape = tuple(1 if sizes.get(a) is None else sizes[a] for a in MESH_AXES)
   if math.prod(shape) != len(devices):
     raise ValueError(f"mesh flag {spec!r}: the axis sizes multiply to {math.prod(shape)} but "
                      f"there are {len(devices)} devices; they must be equal")
@@ -181,6 +188,13 @@ def make_run_mesh(cfg: config_lib.Config):
           f"StagesConfig.microbatch_tokens = {cfg.stages.microbatch_tokens}: stage {i} (seq_len "
           f"{seq_len}) would run micro-batches of {micro_rows} rows, which the mesh "
           f"{cfg.mesh.axes!r} cannot split over its {shards} batch shards; raise it")
+  slices = mesh.shape[CONTEXT_AXIS]
+  for i, (seq_len, _) in enumerate(cfg.stages.stages):
+    if seq_len % slices:
+      raise config_lib.ConfigError(
+          f"StagesConfig.stages: stage {i} has seq_len {seq_len}, which the mesh {cfg.mesh.axes!r} "
+          f"cannot split into {slices} equal slices along its context axis; use a context size "
+          "that divides every stage's seq_len")
   if cfg.model.moe_num_experts % mesh.shape["expert"]:
     raise config_lib.ConfigError(
         f"ModelConfig.moe_num_experts = {cfg.model.moe_num_experts} must be divisible by the mesh's "
@@ -372,20 +386,38 @@ def map_over_batch_shards(fn, *arrays, shared: Sequence = ()):
   Raises:
     ValueError: an array's batch size is not divisible by the batch axes' total size.
   """
+  axes = split_axes(BATCH_AXES)
+  return _map_over_shards(fn, arrays, tuple(shared), P(axes) if axes else None,
+                          "map_over_batch_shards")
+
+
+def split_axes(names: Sequence[str]) -> tuple[str, ...]:
+  """Those of the mesh axes `names` that the current mesh splits in more than one and that are not
+  already manual (inside a `shard_map` over them, arrays are the device's own slices)."""
   mesh = jax.sharding.get_abstract_mesh()
-  shared = tuple(shared)
   if mesh.empty:
-    return fn(*shared, *arrays)
+    return ()
   sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
-  axes = tuple(a for a in BATCH_AXES if sizes.get(a, 1) > 1)
-  if not axes:
+  return tuple(a for a in names if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
+
+
+def _map_over_shards(fn, arrays: Sequence, shared: tuple, spec: Optional[P], caller: str):
+  """`fn(*shared, *arrays)` under `jax.shard_map` with every array split by `spec` (None: no
+  split, a plain call); `shared` arrays are given to every device (see `map_over_batch_shards`)."""
+  if spec is None:
     return fn(*shared, *arrays)
-  n = math.prod(sizes[a] for a in axes)
-  for i, x in enumerate(arrays):
-    if x is not None and x.shape[0] % n:
-      raise ValueError(f"map_over_batch_shards: argument {i} has batch size "
-                       f"{x.shape[0]}, not divisible by the mesh's batch axes {axes} "
-                       f"(total size {n})")
+  mesh = jax.sharding.get_abstract_mesh()
+  sizes = dict(zip(mesh.axis_names, mesh.axis_sizes))
+  for dim, names in enumerate(spec):
+    names = (names,) if isinstance(names, str) else tuple(names or ())
+    parts = math.prod(sizes[a] for a in names)
+    for i, x in enumerate(arrays):
+      if x is not None and x.shape[dim] % parts:
+        raise ValueError(f"{caller}: argument {i} has shape {x.shape}, whose dimension {dim} is "
+                         f"not divisible by the mesh axes {names} (total size {parts})")
+  device_axes = tuple(a for names in spec if names
+                      for a in ((names,) if isinstance(names, str) else names))
+  n = math.prod(sizes[a] for a in device_axes)
   inputs = [None if x is None else jnp.broadcast_to(x, (n,) + jnp.shape(x)) for x in shared]
   inputs += list(arrays)
   present = [i for i, x in enumerate(inputs) if x is not None]
@@ -397,13 +429,16 @@ def map_over_batch_shards(fn, *arrays, shared: Sequence = ()):
     full[:len(shared)] = [None if x is None else x[0] for x in full[:len(shared)]]
     return fn(*full)
 
-  spec = P(axes)
-  return jax.shard_map(local, mesh=mesh, in_specs=(spec,) * len(present), out_specs=spec,
+  in_specs = tuple(P(device_axes) if i < len(shared) else spec for i in present)
+  return jax.shard_map(local, mesh=mesh, in_specs=in_specs, out_specs=spec,
                        check_vma=False)(*[inputs[i] for i in present])
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
-  """Sharding of a [B, T] (or [B, ...]) batch array: B over ('data', 'expert')."""
+  """Sharding of a [B, T] batch array: B over ('data', 'expert'), and T over 'context' when the mesh
+  splits it."""
+  if axis_size(mesh, CONTEXT_AXIS) > 1:
+    return NamedSharding(mesh, P(BATCH_AXES, CONTEXT_AXIS))
   return NamedSharding(mesh, P(BATCH_AXES))
 
 
@@ -421,7 +456,8 @@ def local_batch_rows(mesh: Mesh, global_batch_size: int) -> slice:
   if global_batch_size % n:
     raise ValueError(f"global batch size {global_batch_size} is not divisible by the {n} devices "
                      f"of the mesh's batch axes {BATCH_AXES}")
-  index_map = batch_sharding(mesh).addressable_devices_indices_map((global_batch_size,))
+  index_map = NamedSharding(mesh, P(BATCH_AXES)).addressable_devices_indices_map(
+      (global_batch_size,))
   starts = sorted({idx[0].indices(global_batch_size)[:2] for idx in index_map.values()})
   lo, hi = starts[0][0], starts[-1][1]
   if sum(b - a for a, b in starts) != hi - lo:
