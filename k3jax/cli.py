@@ -4,6 +4,7 @@
     k3jax evaluate --workdir=runs/tiny [--step=N] [--seq_len=T]
     k3jax generate --workdir=runs/tiny --prompt="def "
     k3jax convert --from_hf=DIR --workdir=runs/kimi_linear
+    k3jax plan --gin_file=gin_configs/k3.gin --mesh=data:8,expert:8 --device_memory_gib=141
 
 `k3jax <command> ...` is `python -m k3jax.<command> ...` (k3jax/train.py, evaluate.py,
 generate.py). Every command starts the same way (`start`): extra arguments are refused, orbax's
@@ -31,9 +32,11 @@ COMMANDS = {"train": "train a model through the staged curriculum (k3jax/train.p
             "evaluate": "evaluate a run's checkpoint (k3jax/evaluate.py)",
             "generate": "sample text from a run's checkpoint or a fresh model (k3jax/generate.py)",
             "convert": "a Hugging Face model folder to a run directory and back "
-                       "(k3jax/convert/command.py)"}
+                       "(k3jax/convert/command.py)",
+            "plan": "each curriculum stage's memory on one device of a mesh "
+                    "(k3jax/plan/command.py)"}
 # The module of each command (`define_flags`, `main`), when not k3jax.<command>.
-COMMAND_MODULES = {"convert": "k3jax.convert.command"}
+COMMAND_MODULES = {"convert": "k3jax.convert.command", "plan": "k3jax.plan.command"}
 # Where the commands' shared flags are defined.
 SHARED_FLAG_MODULES = (sys.modules[__name__], compiler, device_memory)
 # Exit codes.

@@ -90,6 +90,12 @@ CONFIG_TIME_CASES = [
     ("generate", ["--gin_file=gin_configs/tiny.gin",
                   "--gin_bindings=StagesConfig.microbatch_loop = 'host'"],
      "StagesConfig.microbatch_loop has moved: set RuntimeConfig.microbatch_loop instead"),
+    ("plan", ["--gin_file=gin_configs/tiny.gin", "--mesh=data:2,model:4"],
+     "--mesh='data:2,model:4': bad entry 'model:4'"),
+    ("plan", ["--gin_file=gin_configs/tiny.gin", "--mesh=data:3"],
+     "--mesh='data:3': stage 0 (seq_len 16) runs micro-batches of 256 rows"),
+    ("plan", ["--gin_file=gin_configs/tiny.gin", "--device_memory_gib=-1"],
+     "--device_memory_gib=-1.0 is not allowed: a positive number of GiB"),
 ]
 
 
@@ -149,7 +155,7 @@ def test_restoring_commands_are_quiet(trained):
   assert ABSL_INFO.search(verbose.stderr), verbose.stderr
 
 
-COMMANDS = ("train", "evaluate", "generate", "convert")
+COMMANDS = ("train", "evaluate", "generate", "convert", "plan")
 
 
 def test_tool_help_lists_the_commands():
