@@ -60,8 +60,7 @@ def map_over_slices(fn: Callable, *arrays, shared: Sequence = ()):
   """
   batch = sharding.split_axes(sharding.BATCH_AXES)
   spec = P(batch or None, sharding.CONTEXT_AXIS)
-  return sharding._map_over_shards(fn, arrays, tuple(shared), spec,  # pylint: disable=protected-access
-                                   "context parallelism")
+  return sharding.map_over_shards(fn, arrays, tuple(shared), spec, "context parallelism")
 
 
 def _slice_index():

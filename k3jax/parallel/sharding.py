@@ -139,8 +139,8 @@ def make_mesh(spec: str = "", devices: Optional[Sequence[jax.Device]] = None) ->
     devices: the devices to use (default `jax.devices()`, all processes' devices).
 
   Returns:
-    A `Mesh` with axis names ('data', 'context', 'expert') and `AxisType.Auto` axes (GSPMD-style propagation
-    of `with_sharding_constraint` hints; `jax.make_mesh` defaults to Explicit).
+    A `Mesh` with axis names ('data', 'context', 'expert') and `AxisType.Auto` axes (GSPMD-style
+    propagation of `with_sharding_constraint` hints; `jax.make_mesh` defaults to Explicit).
 
   Raises:
     ValueError: naming the flag, the product of the sizes and the device count when they differ.
@@ -387,7 +387,7 @@ def map_over_batch_shards(fn, *arrays, shared: Sequence = ()):
     ValueError: an array's batch size is not divisible by the batch axes' total size.
   """
   axes = split_axes(BATCH_AXES)
-  return _map_over_shards(fn, arrays, tuple(shared), P(axes) if axes else None,
+  return map_over_shards(fn, arrays, tuple(shared), P(axes) if axes else None,
                           "map_over_batch_shards")
 
 
@@ -401,9 +401,11 @@ def split_axes(names: Sequence[str]) -> tuple[str, ...]:
   return tuple(a for a in names if sizes.get(a, 1) > 1 and a not in mesh.manual_axes)
 
 
-def _map_over_shards(fn, arrays: Sequence, shared: tuple, spec: Optional[P], caller: str):
-  """`fn(*shared, *arrays)` under `jax.shard_map` with every array split by `spec` (None: no
-  split, a plain call); `shared` arrays are given to every device (see `map_over_batch_shards`)."""
+def map_over_shards(fn, arrays: Sequence, shared: tuple, spec: Optional[P], caller: str):
+  """`fn(*shared, *arrays)` under `jax.shard_map` over the current mesh, with every array split by
+  `spec` (None: no split, a plain call) and the outputs joined by it; `shared` arrays are given to
+  every device whole (see `map_over_batch_shards`). `caller` names the op in the ValueError raised
+  for a dimension its mesh axes do not divide."""
   if spec is None:
     return fn(*shared, *arrays)
   mesh = jax.sharding.get_abstract_mesh()
