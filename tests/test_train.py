@@ -115,6 +115,21 @@ def test_resume_is_bit_exact(full_run, tmp_path):
 
 
 @pytest.mark.slow
+def test_a_run_continued_on_a_context_mesh_trains_the_same_losses(full_run, tmp_path):
+  """Stage 1 on one device, then the run resumed on `data:2,context:4` for stage 2 (its 32-token
+  rows in slices of 8): stage 2's losses equal the one-device run's (fp32, 1e-5 relative)."""
+  full_dir, _ = full_run
+  workdir = str(tmp_path / "context")
+  train_lib.train(tiny_config(), workdir, max_steps=3, progress=False, tensorboard=False)
+  result = train_lib.train(tiny_config("MeshConfig.axes = 'data:2,context:4'"), workdir,
+                           progress=False, tensorboard=False)
+  assert result.finished and result.step == 6
+  got, want = _train_losses(workdir), _train_losses(full_dir)
+  assert sorted(got) == sorted(want) and [got[s] for s in (1, 2, 3)] == [want[s] for s in (1, 2, 3)]
+  np.testing.assert_allclose([got[s] for s in (4, 5, 6)], [want[s] for s in (4, 5, 6)], rtol=1e-5)
+
+
+@pytest.mark.slow
 def test_damaged_checkpoints_fall_back_to_the_newest_readable_step(full_run, tmp_path, capsys):
   """Both faults of a crash or a full disk at once: stop at step 5 (checkpoints 3, 4, 5), delete
   step 5's ocdbt.process_0/ and truncate step 4's data files. Re-running reports each in one line,
