@@ -272,12 +272,10 @@ def test_mla_output_and_qk_clip_statistic_over_slices_equal_one_device():
 def test_training_steps_on_a_context_mesh_equal_one_device():
   """Three training steps of the tiny model (AdamW, two micro-batches a step, the QB update) on
   context:4 have one device's losses (1e-5) and end in its parameters (1e-4)."""
-  from k3jax import training as train_lib
-  from k3jax.model import K3Model
   from k3jax.training.state import init_train_state
+  from testlib import mesh_train_step
   cfg = model_cfg(**{"StagesConfig.stages": ((64, 3),), "StagesConfig.tokens_per_step": 256,
                      "StagesConfig.microbatch_tokens": 128})
-  model = K3Model(cfg.model, cfg.stage_impl(0))
   tokens, seg = model_batch()
   targets = np.roll(tokens, -1, axis=1)
   batch = {"inputs": tokens, "targets": targets, "segment_ids": seg,
@@ -287,10 +285,8 @@ def test_training_steps_on_a_context_mesh_equal_one_device():
   def run(spec):
     mesh = mesh_of(spec) if spec else None
     state, optimizer, schedule = init_train_state(cfg, 3, mesh)
-    shardings = {} if mesh is None else dict(
-        state_shardings=jax.tree.map(lambda x: x.sharding, state),
-        batch_shardings=sharding.batch_sharding(mesh))
-    step = train_lib.make_train_step(cfg, model, optimizer, schedule, total_steps=3, **shardings)
+    step = mesh_train_step(cfg, state, optimizer, schedule, mesh, impl=cfg.stage_impl(0),
+                           total_steps=3)
     losses = []
     for b in batches:
       if mesh is None:

@@ -16,7 +16,7 @@ from k3jax import training as train_lib
 from k3jax.model import K3Model
 from k3jax.parallel import sharding as sharding_lib
 from k3jax.runtime import host_loop as microbatch_lib
-from testlib import TINY_RUN_BINDINGS
+from testlib import TINY_RUN_BINDINGS, mesh_train_step
 
 METRICS = ("loss", "total_loss", "aux_loss", "grad_norm", "lr")
 
@@ -44,12 +44,8 @@ def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
       f"RuntimeConfig.microbatch_loop = {loop!r}", f"MeshConfig.axes = {mesh_axes!r}"])
   mesh = sharding_lib.make_run_mesh(cfg)
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10, mesh=mesh)
-  kwargs = {}
-  if mesh is not None:
-    kwargs = dict(state_shardings=jax.tree.map(lambda x: x.sharding, state),
-                  batch_shardings=sharding_lib.batch_sharding(mesh))
-  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
-                                   **kwargs)
+  initial_shardings = jax.tree.map(lambda x: x.sharding, state)
+  step = mesh_train_step(cfg, state, optimizer, schedule, mesh)
   assert isinstance(step, microbatch_lib.HostLoopStep) == (loop == "host")
   if not cast_once:
     step._cast_once = False   # pylint: disable=protected-access
@@ -63,7 +59,7 @@ def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
       state, m = fn(state, batch)
       metrics.append(jax.device_get(m))
   if mesh is not None:
-    assert jax.tree.map(lambda x: x.sharding, state) == kwargs["state_shardings"]
+    assert jax.tree.map(lambda x: x.sharding, state) == initial_shardings
   return jax.device_get(state), metrics
 
 

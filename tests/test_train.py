@@ -29,7 +29,7 @@ from k3jax.training import metrics as metrics_lib
 from k3jax.training.checkpoint import Checkpointer
 from k3jax.training.loss import token_cross_entropy
 from k3jax.training.run_data import make_data
-from testlib import TINY_RUN_BINDINGS, error_ratio
+from testlib import TINY_RUN_BINDINGS, error_ratio, mesh_train_step
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -420,12 +420,7 @@ def _balance_after_one_step(bindings, mesh_axes=""):
   cfg = config_lib.from_gin([], TINY + QB_STEP + bindings + [f"MeshConfig.axes = {mesh_axes!r}"])
   mesh = make_run_mesh(cfg)
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10, mesh=mesh)
-  kwargs = {}
-  if mesh is not None:
-    kwargs = dict(state_shardings=jax.tree.map(lambda x: x.sharding, state),
-                  batch_shardings=sharding_lib.batch_sharding(mesh))
-  step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule,
-                                   **kwargs)
+  step = mesh_train_step(cfg, state, optimizer, schedule, mesh)
   rng = np.random.default_rng(0)
   rows, seq_len = cfg.stages.batch_size(0), cfg.stages.stages[0][0]
   tokens = rng.integers(1, 257, (rows, seq_len + 1)).astype(np.int32)

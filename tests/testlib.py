@@ -169,3 +169,17 @@ def np_qb_exact_bias(scores, bias, k, mask, cutoff, rate=1.0):
   t = desc[lo].astype(np.float64) + (q - np.floor(q)) * (desc[hi].astype(np.float64) - desc[lo])
   new = np.asarray(bias, np.float64) - rate * t
   return new - new.mean(), desc
+
+
+def mesh_train_step(cfg, state, optimizer, schedule, mesh, impl=None, **kwargs):
+  """`make_train_step` for K3Model(cfg.model, impl or cfg.impl), jitted with the placed `state`'s
+  shardings and the mesh's batch sharding (plain, for one device, when `mesh` is None)."""
+  import jax
+  from k3jax import training as train_lib
+  from k3jax.model import K3Model
+  from k3jax.parallel import sharding
+  if mesh is not None:
+    kwargs.update(state_shardings=jax.tree.map(lambda x: x.sharding, state),
+                  batch_shardings=sharding.batch_sharding(mesh))
+  return train_lib.make_train_step(cfg, K3Model(cfg.model, impl or cfg.impl), optimizer,
+                                   schedule, **kwargs)
