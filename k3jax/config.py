@@ -472,15 +472,32 @@ class MeshConfig:
   MoE it splits the batch too.
   """
   axes: str = ""
+  # The mesh per curriculum stage, one entry per StagesConfig.stages entry (e.g. ('', '',
+  # 'data:2,context:4', 'context:8'): short rows split the batch, long ones the rows); '' is
+  # `axes`. Every mesh spans all devices. At a stage whose mesh differs from the previous one the
+  # loop moves the state onto the new mesh; each stage's steps compile for its own. Empty: `axes`
+  # in every stage.
+  stage_axes: tuple = ()
 
   def validate(self) -> None:
-    if not self.axes:
-      return
-    for part in self.axes.split(","):
-      name, _, size = part.partition(":")
-      _check(name in MESH_AXES and size.isdigit() and int(size) > 0, "MeshConfig.axes",
-             f"comma-separated 'name:size' with name in {MESH_AXES}, e.g. 'data:2,context:4'",
-             self.axes)
+    _check(isinstance(self.stage_axes, (tuple, list))
+           and all(isinstance(a, str) for a in self.stage_axes), "MeshConfig.stage_axes",
+           "empty (MeshConfig.axes in every stage) or one mesh string per stage ('' for axes)",
+           self.stage_axes)
+    for field, axes in [("MeshConfig.axes", self.axes)] + [
+        (f"MeshConfig.stage_axes[{i}]", a) for i, a in enumerate(self.stage_axes)]:
+      for part in axes.split(",") if axes else ():
+        name, _, size = part.partition(":")
+        _check(name in MESH_AXES and size.isdigit() and int(size) > 0, field,
+               f"comma-separated 'name:size' with name in {MESH_AXES}, e.g. 'data:2,context:4'",
+               axes)
+
+  def for_stage(self, stage: int) -> str:
+    """The mesh string of stage `stage` (0-based): `stage_axes[stage]` when given and not '',
+    else `axes`."""
+    if self.stage_axes and self.stage_axes[stage]:
+      return self.stage_axes[stage]
+    return self.axes
 
 
 @gin.configurable
@@ -577,6 +594,9 @@ class Config:
     _check(len(stage_remat) in (0, len(self.stages.stages)), "ImplConfig.stage_remat",
            f"empty or one entry per stage ({len(self.stages.stages)} in StagesConfig.stages)",
            stage_remat)
+    _check(len(self.mesh.stage_axes) in (0, len(self.stages.stages)), "MeshConfig.stage_axes",
+           f"empty or one entry per stage ({len(self.stages.stages)} in StagesConfig.stages)",
+           self.mesh.stage_axes)
     _check(self.impl.position_chunk_tokens == 0 or self.model.moe_capacity_factor == 0.0,
            "ModelConfig.moe_capacity_factor",
            "0 (dropless) when ImplConfig.position_chunk_tokens > 0 (expert capacities would be "

@@ -115,18 +115,40 @@ def test_resume_is_bit_exact(full_run, tmp_path):
 
 
 @pytest.mark.slow
-def test_a_run_continued_on_a_context_mesh_trains_the_same_losses(full_run, tmp_path):
-  """Stage 1 on one device, then the run resumed on `data:2,context:4` for stage 2 (its 32-token
-  rows in slices of 8): stage 2's losses equal the one-device run's (fp32, 1e-5 relative)."""
+def test_stages_on_their_own_meshes_train_the_same_losses(full_run, tmp_path, capsys):
+  """MeshConfig.stage_axes: stage 1 on one device, stage 2 on `data:2,context:4` (its 32-token
+  rows in slices of 8). The run stops inside stage 1 and resumes (restored onto stage 1's device),
+  then moves its state onto stage 2's mesh at the boundary: the losses equal the one-device run's
+  (stage 1 exactly, stage 2 fp32 1e-5 relative)."""
   full_dir, _ = full_run
   workdir = str(tmp_path / "context")
-  train_lib.train(tiny_config(), workdir, max_steps=3, progress=False, tensorboard=False)
-  result = train_lib.train(tiny_config("MeshConfig.axes = 'data:2,context:4'"), workdir,
-                           progress=False, tensorboard=False)
+  cfg = tiny_config("MeshConfig.stage_axes = ('', 'data:2,context:4')")
+  train_lib.train(cfg, workdir, max_steps=2, progress=False, tensorboard=False)
+  capsys.readouterr()
+  result = train_lib.train(cfg, workdir, progress=False, tensorboard=False)
   assert result.finished and result.step == 6
+  assert "stage 1: the state moved to the mesh data:2,context:4" in capsys.readouterr().out
   got, want = _train_losses(workdir), _train_losses(full_dir)
   assert sorted(got) == sorted(want) and [got[s] for s in (1, 2, 3)] == [want[s] for s in (1, 2, 3)]
   np.testing.assert_allclose([got[s] for s in (4, 5, 6)], [want[s] for s in (4, 5, 6)], rtol=1e-5)
+
+
+def test_stage_meshes_are_checked_per_stage():
+  """Each stage's mesh is checked against that stage (the error names its setting); one run-wide
+  mesh is refused where the stages differ; the entries count the stages."""
+  cfg = tiny_config("MeshConfig.stage_axes = ('data:8', '')")   # stage batches 4 and 2
+  with pytest.raises(config_lib.ConfigError, match=r"stage 0 .* MeshConfig.stage_axes\[0\]"):
+    sharding_lib.make_stage_meshes(cfg)
+  meshes = sharding_lib.make_stage_meshes(tiny_config(
+      "MeshConfig.stage_axes = ('data:2,context:4', '')", "MeshConfig.axes = 'context:8'"))
+  assert [dict(m.shape) for m in meshes] == [{"data": 2, "context": 4, "expert": 1},
+                                             {"data": 1, "context": 8, "expert": 1}]
+  with pytest.raises(config_lib.ConfigError, match="MeshConfig.stage_axes .* different meshes"):
+    make_run_mesh(tiny_config("MeshConfig.stage_axes = ('context:8', '')"))
+  with pytest.raises(config_lib.ConfigError, match="MeshConfig.stage_axes .* one entry per stage"):
+    tiny_config("MeshConfig.stage_axes = ('data:2',)")
+  with pytest.raises(config_lib.ConfigError, match=r"MeshConfig.stage_axes\[1\] = 'seq:2'"):
+    tiny_config("MeshConfig.stage_axes = ('', 'seq:2')")
 
 
 @pytest.mark.slow

@@ -164,42 +164,73 @@ def make_mesh(spec: str = "", devices: Optional[Sequence[jax.Device]] = None) ->
 
 
 def make_run_mesh(cfg: config_lib.Config):
-  """The run's device mesh, or None for a single-device run (MeshConfig.axes empty).
+  """The run's device mesh, or None for a single-device run (MeshConfig.axes empty), when every
+  stage runs on the same mesh; `make_stage_meshes` for a run whose stages differ.
 
   Raises ConfigError when the mesh does not fit the devices or a stage's batch does not split over
-  the batch axes (data x expert).
+  the batch axes (data x expert), or when MeshConfig.stage_axes gives the stages different meshes.
   """
-  if not cfg.mesh.axes:
-    return None
-  try:
-    mesh = make_mesh(cfg.mesh.axes)
-  except ValueError as e:
-    raise config_lib.ConfigError(f"MeshConfig.axes / --mesh: {e}") from e
+  meshes = make_stage_meshes(cfg)
+  if any(m is not meshes[0] for m in meshes):
+    raise config_lib.ConfigError(
+        f"MeshConfig.stage_axes = {cfg.mesh.stage_axes!r} gives the stages different meshes, where "
+        "one mesh for the whole run is needed; set MeshConfig.axes (--mesh) instead")
+  return meshes[0]
+
+
+def make_stage_meshes(cfg: config_lib.Config) -> tuple[Optional[Mesh], ...]:
+  """Each curriculum stage's device mesh (`MeshConfig.for_stage`), None for a single-device stage;
+  stages with the same mesh string share one Mesh object.
+
+  Raises ConfigError naming the setting (MeshConfig.axes / --mesh, or MeshConfig.stage_axes[i])
+  when a mesh does not fit the devices, a stage's batch or micro-batch does not split over its
+  mesh's batch axes (data x expert), its rows do not split into the context slices, or the
+  experts do not divide over the expert axis.
+  """
+  built: dict[str, Optional[Mesh]] = {}
+  meshes = []
+  for stage in range(len(cfg.stages.stages)):
+    axes = cfg.mesh.for_stage(stage)
+    setting = (f"MeshConfig.stage_axes[{stage}]" if cfg.mesh.stage_axes and
+               cfg.mesh.stage_axes[stage] else "MeshConfig.axes / --mesh")
+    if axes not in built:
+      try:
+        built[axes] = make_mesh(axes) if axes else None
+      except ValueError as e:
+        raise config_lib.ConfigError(f"{setting}: {e}") from e
+    if built[axes] is not None:
+      _check_stage_fits_mesh(cfg, stage, built[axes], f"{setting} = {axes!r}")
+    meshes.append(built[axes])
+  return tuple(meshes)
+
+
+def _check_stage_fits_mesh(cfg: config_lib.Config, stage: int, mesh: Mesh, where: str) -> None:
+  """ConfigError unless stage `stage`'s batch, micro-batches, rows and the experts split over
+  `mesh` (`where` names the mesh's setting)."""
+  seq_len = cfg.stages.stages[stage][0]
+  batch = cfg.stages.batch_size(stage)
   shards = math.prod(mesh.shape[a] for a in BATCH_AXES)
-  for i, (seq_len, _) in enumerate(cfg.stages.stages):
-    if cfg.stages.batch_size(i) % shards:
-      raise config_lib.ConfigError(
-          f"StagesConfig.stages: stage {i} (seq_len {seq_len}) has batch "
-          f"{cfg.stages.batch_size(i)}, which the mesh {cfg.mesh.axes!r} cannot split over its "
-          f"{shards} batch shards; raise StagesConfig.tokens_per_step or use fewer devices")
-    micro_rows = cfg.stages.microbatch_rows(seq_len, cfg.stages.batch_size(i))
-    if micro_rows % shards:
-      raise config_lib.ConfigError(
-          f"StagesConfig.microbatch_tokens = {cfg.stages.microbatch_tokens}: stage {i} (seq_len "
-          f"{seq_len}) would run micro-batches of {micro_rows} rows, which the mesh "
-          f"{cfg.mesh.axes!r} cannot split over its {shards} batch shards; raise it")
+  if batch % shards:
+    raise config_lib.ConfigError(
+        f"StagesConfig.stages: stage {stage} (seq_len {seq_len}) has batch {batch}, which the "
+        f"mesh of {where} cannot split over its {shards} batch shards; raise "
+        "StagesConfig.tokens_per_step or use fewer devices")
+  micro_rows = cfg.stages.microbatch_rows(seq_len, batch)
+  if micro_rows % shards:
+    raise config_lib.ConfigError(
+        f"StagesConfig.microbatch_tokens = {cfg.stages.microbatch_tokens}: stage {stage} (seq_len "
+        f"{seq_len}) would run micro-batches of {micro_rows} rows, which the mesh of {where} cannot "
+        f"split over its {shards} batch shards; raise it")
   slices = mesh.shape[CONTEXT_AXIS]
-  for i, (seq_len, _) in enumerate(cfg.stages.stages):
-    if seq_len % slices:
-      raise config_lib.ConfigError(
-          f"StagesConfig.stages: stage {i} has seq_len {seq_len}, which the mesh {cfg.mesh.axes!r} "
-          f"cannot split into {slices} equal slices along its context axis; use a context size "
-          "that divides every stage's seq_len")
+  if seq_len % slices:
+    raise config_lib.ConfigError(
+        f"StagesConfig.stages: stage {stage} has seq_len {seq_len}, which the mesh of {where} "
+        f"cannot split into {slices} equal slices along its context axis; use a context size that "
+        "divides the stage's seq_len")
   if cfg.model.moe_num_experts % mesh.shape["expert"]:
     raise config_lib.ConfigError(
-        f"ModelConfig.moe_num_experts = {cfg.model.moe_num_experts} must be divisible by the mesh's "
-        f"expert axis ({mesh.shape['expert']})")
-  return mesh
+        f"ModelConfig.moe_num_experts = {cfg.model.moe_num_experts} must be divisible by the "
+        f"expert axis ({mesh.shape['expert']}) of the mesh of {where}")
 
 
 def axis_size(mesh: Mesh, axis: str) -> int:

@@ -107,8 +107,9 @@ class Runtime:
     mode = self.config.precompile
     return mode == "on" or (mode == "auto" and jax.default_backend() != "cpu")
 
-  def start_precompile(self, cfg, first_stage: int, state, step_of_stage: Callable, evaluator,
-                       mesh=None, memory_advice: Optional[Callable[[int], str]] = None):
+  def start_precompile(self, cfg, first_stage: int, state_of_stage: Callable,
+                       step_of_stage: Callable, evaluator, mesh_of_stage: Callable = lambda s: None,
+                       memory_advice: Optional[Callable[[int], str]] = None):
     """A precompiler working on the run's programs from `first_stage` on
     (`precompile.start_run_programs`; its arguments), with the first stage's step traced before
     this returns, so that the caller's own tracing does not slow it down. Where precompiling is
@@ -121,8 +122,9 @@ class Runtime:
             "compilation cache is off (--compilation_cache_dir=''): each program compiles when "
             "the run reaches it", file=sys.stderr)
       return _NoPrecompile()
-    precompiler = precompile.start_run_programs(cfg, first_stage, state, step_of_stage, evaluator,
-                                                mesh, memory_advice=memory_advice,
+    precompiler = precompile.start_run_programs(cfg, first_stage, state_of_stage, step_of_stage,
+                                                evaluator, mesh_of_stage,
+                                                memory_advice=memory_advice,
                                                 workers=self.config.precompile_workers)
     # Its tracing goes first, alone: traced beside the state's initialisation (Python's lock),
     # small.gin's step took 24.6 s to trace on the H200 instead of 14.5 (RESULTS.md, run 13).

@@ -214,39 +214,43 @@ class Precompiler:
       return {"error": f"{type(e).__name__}: {first}"}
 
 
-def start_run_programs(cfg, first_stage: int, state, step_of_stage: Callable, evaluator,
-                       mesh=None, memory_advice: Optional[Callable[[int], str]] = None,
+def start_run_programs(cfg, first_stage: int, state_of_stage: Callable, step_of_stage: Callable,
+                       evaluator, mesh_of_stage: Callable = lambda stage: None,
+                       memory_advice: Optional[Callable[[int], str]] = None,
                        workers: int = 2) -> Precompiler:
   """A `Precompiler` working on a run's programs from `first_stage` on, in the order the loop
   needs them: each stage's training step, then the validation program at the stage's end (one
-  per distinct length; not with a mesh, where the evaluation's arguments are placed by the call).
+  per distinct length; only for a stage on one device: on a mesh the evaluation's arguments are
+  placed by its call).
 
-  state: the placed state, or its ShapeDtypeStructs with the shardings it will have
-  (`k3jax.training.state.placed_train_state_shapes`): the steps' arguments. step_of_stage:
-  stage -> its training step (called here, in the calling thread). memory_advice: stage -> the
-  settings that lower its memory. workers: compile threads (RuntimeConfig.precompile_workers).
+  state_of_stage: stage -> the state's ShapeDtypeStructs with the shardings it has in that stage
+  (`k3jax.training.state.placed_train_state_shapes` on the stage's mesh): the steps' arguments.
+  step_of_stage: stage -> its training step (called here, in the calling thread). mesh_of_stage:
+  stage -> its mesh (None: one device). memory_advice: stage -> the settings that lower its
+  memory. workers: compile threads (RuntimeConfig.precompile_workers).
   """
   scfg = cfg.stages
   names = {}
   precompiler = Precompiler(workers,
                             None if memory_advice is None else
                             lambda name: memory_advice(names[name]))
-  state_shapes = placed_shapes(state)
-  # Where the loop places a step's batch: committed to the state's device, or over the mesh.
-  batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
-                    else sharding_lib.batch_sharding(mesh))
 
-  def lower_step(step, batch):
+  def lower_step(step, state_shapes, batch, mesh):
     # The loop traces its steps inside the mesh, where there is one.
     with contextlib.nullcontext() if mesh is None else sharding_lib.with_mesh(mesh):
       return step.lower(state_shapes, batch)
 
   for stage in range(first_stage, len(scfg.stages)):
-    seq_len = scfg.stages[stage][0]
+    seq_len, mesh = scfg.stages[stage][0], mesh_of_stage(stage)
+    state_shapes = placed_shapes(state_of_stage(stage))
+    # Where the loop places a step's batch: committed to the state's device, or over the mesh.
+    batch_sharding = (jax.sharding.SingleDeviceSharding(jax.devices()[0]) if mesh is None
+                      else sharding_lib.batch_sharding(mesh))
     name = train_program_name(stage, seq_len)
     names[name] = stage
     batch = batch_shapes(scfg.batch_size(stage), seq_len, batch_sharding)
-    precompiler.submit(name, functools.partial(lower_step, step_of_stage(stage), batch))
+    precompiler.submit(name, functools.partial(lower_step, step_of_stage(stage), state_shapes,
+                                               batch, mesh))
     name = validation_program_name(seq_len)
     if mesh is None and name not in names:
       names[name] = stage

@@ -94,18 +94,18 @@ def train(cfg: config_lib.Config, workdir: str, *, max_steps: Optional[int] = No
   runtime = Runtime(cfg.runtime) if runtime is None else runtime
   # What needs no run directory is checked before one is created: the data and the mesh.
   data = make_data(cfg)
-  mesh = sharding_lib.make_run_mesh(cfg)
+  meshes = sharding_lib.make_stage_meshes(cfg)
   if init_from is not None:
     _check_init_from(cfg, init_from)
   with run_dir.RunDirectory(workdir, lock=jax.process_index() == 0,
                             take_over_lock=take_over_lock) as directory:
-    return _train(cfg, directory, data, mesh, runtime, max_steps=max_steps,
+    return _train(cfg, directory, data, meshes, runtime, max_steps=max_steps,
                   peak_tflops=peak_tflops, progress=progress, tensorboard=tensorboard,
                   init_from=init_from)
 
 
-def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, runtime: Runtime,
-           *, max_steps: Optional[int], peak_tflops: float, progress: bool,
+def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, meshes,
+           runtime: Runtime, *, max_steps: Optional[int], peak_tflops: float, progress: bool,
            tensorboard: bool, init_from: Optional[str] = None) -> TrainResult:
   """`train` in its locked run directory: set-up, restore, the loop, the report."""
   workdir = directory.path
@@ -114,25 +114,27 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, 
   stop_at = total_steps if max_steps is None else min(total_steps, max_steps)
 
   # Set-up: each stage's step (compiled ahead where the runtime does so), the evaluator and the
-  # checkpoints.
-  devices = 1 if mesh is None else mesh.devices.size
-  # The state's shapes, placed where the initialisation will put them: enough to trace and compile
-  # the steps, which may start compiling before the state exists.
-  state_shapes, optimizer, schedule = placed_train_state_shapes(cfg, total_steps, mesh, runtime)
-  step_of_stage = _stage_steps(cfg, optimizer, schedule, state_shapes, mesh, runtime, total_steps)
+  # checkpoints. Each stage runs on its mesh (MeshConfig.stage_axes; one for all by default).
+  devices = [1 if m is None else m.devices.size for m in meshes]
+  # The state's shapes on each stage's mesh, placed where the initialisation (or the move between
+  # meshes) will put them: enough to trace and compile the steps, which may start compiling
+  # before the state exists.
+  placed = _StagePlacements(cfg, meshes, total_steps, runtime)
+  step_of_stage = _stage_steps(cfg, placed, runtime, total_steps)
   evaluator = Evaluator(cfg, K3Model(cfg.model, cfg.impl), data)
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
                                      keep_steps=ends)
   first = ckpt.latest_step() or 0   # where the run starts, unless that checkpoint is refused
   programs = runtime.start_precompile(
-      cfg, scfg.stage_at(first), state_shapes, step_of_stage, evaluator, mesh,
-      memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices, runtime)
+      cfg, scfg.stage_at(first), placed.shapes, step_of_stage, evaluator, placed.mesh,
+      memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices[stage], runtime)
   ) if first < total_steps else None
 
-  # Restore the run so far, or initialise a new one.
+  # Restore the run so far, or initialise a new one, on the mesh of the stage it starts in.
   try:
-    state = init_train_state(cfg, total_steps, mesh, runtime)[0]
-    shardings = jax.tree.map(lambda x: x.sharding, state_shapes)
+    state_stage = scfg.stage_at(first)
+    state = init_train_state(cfg, total_steps, meshes[state_stage], runtime)[0]
+    shardings = placed.shardings(state_stage)
     state, start = _restore(cfg, workdir, ckpt, state, shardings)
     if start is None and init_from is not None:
       state = _initialise_from(cfg, init_from, state, shardings)
@@ -150,10 +152,10 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, 
   # What a checkpoint needs on disk at most (orbax compresses; the old steps go after the new one
   # is complete, so the space must be there besides them).
   checkpoint_bytes = sum(math.prod(x.shape) * x.dtype.itemsize
-                         for x in jax.tree.leaves(state_shapes)) + 2**20
+                         for x in jax.tree.leaves(placed.shapes(0))) + 2**20
   # MFU by the model FLOPs of each stage's row length (attention grows with it).
   stage_flops = {seq: flops_per_token(cfg.model, seq) for seq, _ in scfg.stages}
-  peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops) * devices
+  peak = metrics_lib.peak_flops_for(jax.default_backend(), peak_tflops)
   result = TrainResult(step=start, finished=start >= total_steps)
   last_loads, bar = None, None
 
@@ -181,7 +183,7 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, 
 
   def run_step(stage: int, state: TrainState, batch: dict):
     """One step of `stage` on the batch (placed as its program expects); (state, metrics)."""
-    train_step = step_of_stage(stage)
+    train_step, mesh = step_of_stage(stage), meshes[stage]
     try:
       if mesh is None:
         # Committed to the state's device: the program is then the one the precompiler compiled
@@ -197,7 +199,8 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, 
     except Exception as e:  # XlaRuntimeError/JaxRuntimeError; compile errors are others
       if not is_out_of_memory(e):
         raise
-      raise StageOutOfMemoryError(out_of_memory_message(cfg, stage, devices, runtime)) from e
+      raise StageOutOfMemoryError(out_of_memory_message(cfg, stage, devices[stage], runtime)
+                                  ) from e
 
   # The loop.
   try:
@@ -217,6 +220,12 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, 
         seq_len = scfg.stages[stage][0]
         batch = next(iterator)
         batch = {k: batch[k] for k in ("inputs", "targets", "segment_ids", "loss_mask")}
+        if meshes[stage] is not meshes[state_stage]:
+          # A stage on another mesh: the state moves there (device to device) before its step.
+          state = jax.device_put(state, placed.shardings(stage))
+          bar.write(f"stage {stage}: the state moved to the mesh "
+                    f"{cfg.mesh.for_stage(stage) or 'of one device'}")
+        state_stage = stage
         ready(train_program_name(stage, seq_len))
         state, m = run_step(stage, state, batch)
         step += 1
@@ -234,7 +243,7 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, mesh, 
           rate = throughput.tick()
           writer.write(step, "train", _train_record(
               stage, seq_len, scfg.batch_size(stage), m, rate,
-              metrics_lib.mfu(stage_flops[seq_len], rate, peak)))
+              metrics_lib.mfu(stage_flops[seq_len], rate, peak * devices[stage])))
         bar.update(step, float(m["loss"]), stage, seq_len)
         if at_end or step % cfg.checkpoint.every_steps == 0:
           save(step)
@@ -296,23 +305,48 @@ def stage_ends(stages_cfg: config_lib.StagesConfig) -> list[int]:
   return [int(x) for x in np.cumsum([n for _, n in stages_cfg.stages])]
 
 
-def _stage_steps(cfg: config_lib.Config, optimizer, schedule, state_shapes, mesh, runtime: Runtime,
+class _StagePlacements:
+  """Where the state lives in each stage: its placed shapes (`placed_train_state_shapes`) on the
+  stage's mesh, built once per distinct mesh; the optimizer and the schedule (the same on any
+  mesh)."""
+
+  def __init__(self, cfg: config_lib.Config, meshes, total_steps: int, runtime: Runtime):
+    self._meshes = meshes
+    self._shapes: dict[int, TrainState] = {}
+    for mesh in meshes:
+      if id(mesh) not in self._shapes:
+        self._shapes[id(mesh)], self.optimizer, self.schedule = placed_train_state_shapes(
+            cfg, total_steps, mesh, runtime)
+
+  def mesh(self, stage: int):
+    return self._meshes[stage]
+
+  def shapes(self, stage: int) -> TrainState:
+    """The state's ShapeDtypeStructs with their shardings in `stage`."""
+    return self._shapes[id(self._meshes[stage])]
+
+  def shardings(self, stage: int):
+    return jax.tree.map(lambda x: x.sharding, self.shapes(stage))
+
+
+def _stage_steps(cfg: config_lib.Config, placed: _StagePlacements, runtime: Runtime,
                  total_steps: int) -> Callable[[int], Callable]:
-  """stage -> its training step: one jitted step per distinct ImplConfig of the stages
-  (ImplConfig.stage_remat); each stage's batch shape traces it anew anyway."""
-  kwargs = dict(total_steps=total_steps)
-  if mesh is not None:
-    kwargs.update(state_shardings=jax.tree.map(lambda x: x.sharding, state_shapes),
-                  batch_shardings=sharding_lib.batch_sharding(mesh))
+  """stage -> its training step: one jitted step per distinct (ImplConfig, mesh) of the stages
+  (ImplConfig.stage_remat, MeshConfig.stage_axes); each stage's batch shape traces it anew."""
   steps: dict = {}
 
   def step_of_stage(stage: int) -> Callable:
-    impl = cfg.stage_impl(stage)
-    if impl not in steps:
-      steps[impl] = make_train_step(dataclasses.replace(cfg, impl=impl),
-                                    K3Model(cfg.model, impl), optimizer, schedule, runtime,
-                                    **kwargs)
-    return steps[impl]
+    impl, mesh = cfg.stage_impl(stage), placed.mesh(stage)
+    key = (impl, id(mesh))
+    if key not in steps:
+      kwargs = dict(total_steps=total_steps)
+      if mesh is not None:
+        kwargs.update(state_shardings=placed.shardings(stage),
+                      batch_shardings=sharding_lib.batch_sharding(mesh))
+      steps[key] = make_train_step(dataclasses.replace(cfg, impl=impl),
+                                   K3Model(cfg.model, impl), placed.optimizer, placed.schedule,
+                                   runtime, **kwargs)
+    return steps[key]
 
   return step_of_stage
 
