@@ -1,7 +1,8 @@
 """Comparing training runs: several run directories of `k3jax train` overlaid in one figure and
 summarised in one table (docs/compare.md).
 
-  runs     load_run / load_runs: a run directory's series (`Run`); record_wall_time
+  runs     load_run / load_runs: a run directory's series (`Run`); record_wall_time,
+           read_wall_time
   figures  overlay_figure: training loss vs step and vs tokens, validation loss, MaxVio
   table    summary_rows, config_differences, markdown, summary_json
   command  the `k3jax compare` command
@@ -18,7 +19,7 @@ from typing import Sequence
 
 from k3jax.compare.figures import overlay_figure, panels, save_figure
 from k3jax.compare.runs import (CompareError, Run, default_label, load_run, load_runs,
-                                record_wall_time)
+                                read_wall_time, record_wall_time)
 from k3jax.compare.table import (TRAIN_LOSS_WINDOW, config_differences, markdown, summary_json,
                                  summary_rows)
 
@@ -67,4 +68,5 @@ def write_comparison(runs: Sequence[Run], out_dir: str, window: int = TRAIN_LOSS
 __all__ = ["CompareError", "FIGURE_FILE", "Run", "SUMMARY_JSON", "SUMMARY_MD",
            "TRAIN_LOSS_WINDOW", "check_out_dir", "config_differences", "default_label", "load_run",
            "load_runs", "markdown", "overlay_figure", "panels", "prepare_out_dir",
-           "record_wall_time", "save_figure", "summary_json", "summary_rows", "write_comparison"]
+           "read_wall_time", "record_wall_time", "save_figure", "summary_json", "summary_rows",
+           "write_comparison"]
