@@ -5,12 +5,14 @@
     k3jax generate --workdir=runs/tiny --prompt="def "
     k3jax convert --from_hf=DIR --workdir=runs/kimi_linear
     k3jax plan --gin_file=gin_configs/k3.gin --mesh=data:8,expert:8 --device_memory_gib=141
+    k3jax compare runs/a runs/b --out=runs/compare
 
 `k3jax <command> ...` is `python -m k3jax.<command> ...` (k3jax/train.py, evaluate.py,
-generate.py). Every command starts the same way (`start`): extra arguments are refused, orbax's
-INFO logging is quietened, the GPU allocator's share is set (--device_memory_fraction) before
-anything touches a device, and JAX's persistent compilation cache is turned on
-(--compilation_cache_dir). Every command ends the same way (`finish`): exit code 0, 2 for a bad
+generate.py). Every command that runs the model starts the same way (`start`): extra arguments
+are refused, orbax's INFO logging is quietened, the GPU allocator's share is set
+(--device_memory_fraction) before anything touches a device, and JAX's persistent compilation
+cache is turned on (--compilation_cache_dir); `compare` reads files only, and its arguments are
+run directories. Every command ends the same way (`finish`): exit code 0, 2 for a bad
 setting or input (one line on stderr naming it), 1 for a failed run, 3 when the filesystem
 refused a write (no space left, no permission: one line naming the path), 128 + N after signal N.
 """
@@ -34,9 +36,12 @@ COMMANDS = {"train": "train a model through the staged curriculum (k3jax/train.p
             "convert": "a Hugging Face model folder to a run directory and back "
                        "(k3jax/convert/command.py)",
             "plan": "each curriculum stage's memory on one device of a mesh "
-                    "(k3jax/plan/command.py)"}
+                    "(k3jax/plan/command.py)",
+            "compare": "several runs overlaid in one figure and one summary table "
+                       "(k3jax/compare/command.py)"}
 # The module of each command (`define_flags`, `main`), when not k3jax.<command>.
-COMMAND_MODULES = {"convert": "k3jax.convert.command", "plan": "k3jax.plan.command"}
+COMMAND_MODULES = {"convert": "k3jax.convert.command", "plan": "k3jax.plan.command",
+                   "compare": "k3jax.compare.command"}
 # Where the commands' shared flags are defined.
 SHARED_FLAG_MODULES = (sys.modules[__name__], compiler, device_memory)
 # Exit codes.

@@ -1,4 +1,4 @@
-"""Every user error of the three CLIs is one line on stderr and exit code 2 (no traceback), and the
+"""Every user error of the CLIs is one line on stderr and exit code 2 (no traceback), and the
 CLIs print no orbax INFO lines nor false warnings. Each case runs the real command in a subprocess.
 
 Cases that fail at configuration time need no training; those that need a trained run directory
@@ -96,6 +96,14 @@ CONFIG_TIME_CASES = [
      "--mesh='data:3': stage 0 (seq_len 16) runs micro-batches of 256 rows"),
     ("plan", ["--gin_file=gin_configs/tiny.gin", "--device_memory_gib=-1"],
      "--device_memory_gib=-1.0 is not allowed: a positive number of GiB"),
+    ("compare", ["--out={root}/out"], "no run directories given: expected one or more"),
+    ("compare", ["{root}/small_corpus", "--out={root}/out"],
+     "{root}/small_corpus has no metrics.jsonl: expected a run directory written by `k3jax "
+     "train`"),
+    ("compare", ["{root}/small_corpus", "{root}/w", "--labels=one", "--out={root}/out"],
+     "--labels has 1 label for 2 run directories"),
+    ("compare", ["{root}/small_corpus", "--out={root}/a_file"],
+     "--out={root}/a_file is a file, not a directory"),
 ]
 
 
@@ -155,7 +163,7 @@ def test_restoring_commands_are_quiet(trained):
   assert ABSL_INFO.search(verbose.stderr), verbose.stderr
 
 
-COMMANDS = ("train", "evaluate", "generate", "convert", "plan")
+COMMANDS = ("train", "evaluate", "generate", "convert", "plan", "compare")
 
 
 def test_tool_help_lists_the_commands():
@@ -190,6 +198,8 @@ def test_tool_runs_the_commands_usage_errors():
   assert_user_error(run_tool("generate", "--gin_file=gin_configs/tiny.gin", "--max_new_tokens=-3"),
                     "--max_new_tokens=-3 is not allowed")
   assert_user_error(run_tool("evaluate", "--workdir=/nonexistent/run"), "has no config.gin")
+  # compare's run directories are positional arguments, passed on by the tool.
+  assert_user_error(run_tool("compare", "/nonexistent/run"), "--out is missing")
 
 
 @pytest.mark.slow

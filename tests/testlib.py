@@ -3,6 +3,7 @@
 import functools
 import importlib.util
 import os
+import sys
 
 import numpy as np
 
@@ -50,10 +51,18 @@ def error_ratio(a, b) -> float:
 
 def load_benchmark(name: str):
   """The module experiments/benchmarks/<name>.py (benchmarks are scripts, not a package)."""
+  return load_experiment("benchmarks", name)
+
+
+def load_experiment(folder: str, name: str):
+  """The module experiments/<folder>/<name>.py (the experiments are scripts, not packages), as
+  sys.modules['experiments.<folder>.<name>']: dataclasses look their module up there while the
+  class is made."""
   path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments",
-                      "benchmarks", f"{name}.py")
-  spec = importlib.util.spec_from_file_location(name, path)
+                      folder, f"{name}.py")
+  spec = importlib.util.spec_from_file_location(f"experiments.{folder}.{name}", path)
   module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module
   spec.loader.exec_module(module)
   return module
 
