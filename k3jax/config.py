@@ -514,6 +514,8 @@ class EvalConfig:
   num_batches: int = 4
   passkey_multipliers: tuple = (1, 2, 4, 8)
   passkey_samples: int = 8
+  # MQAR accuracy's rows at each stage end of a run whose DataConfig.source is 'mqar'.
+  mqar_samples: int = 64
   log_every_steps: int = 5
   # Passkey lengths (train length x multiplier) above this are not run: at the long stages they
   # would cost more than the stage's training steps and say little about a small model.
@@ -526,6 +528,9 @@ class EvalConfig:
   def validate(self) -> None:
     _check(self.every_steps >= 0, "EvalConfig.every_steps", "an integer >= 0", self.every_steps)
     _check(self.num_batches > 0, "EvalConfig.num_batches", "a positive integer", self.num_batches)
+    _check(isinstance(self.mqar_samples, int) and not isinstance(self.mqar_samples, bool)
+           and self.mqar_samples > 0, "EvalConfig.mqar_samples", "a positive integer",
+           self.mqar_samples)
     _check(self.log_every_steps > 0, "EvalConfig.log_every_steps", "a positive integer",
            self.log_every_steps)
     _check(isinstance(self.passkey_max_len, int) and not isinstance(self.passkey_max_len, bool)

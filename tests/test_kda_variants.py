@@ -1,9 +1,9 @@
 """The linear-attention variants of ModelConfig.kda_variant (Gated DeltaNet, gated linear
-attention) and the all-MLA reference.
+attention), the all-MLA reference, and MQAR accuracy.
 
 The ops run against a token-by-token loop written here (plain jax, fp32, packed rows with an
 initial state), gradients included; the layer and the model check their parameters, decode and a
-few training steps.
+few training steps; the evaluation runs on an oracle whose accuracy is known.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from k3jax.model import flops as flops_lib
 from k3jax.model.params import count_params
 from k3jax.ops import kda
 from k3jax.plan import activations
+from k3jax.training import evaluation
 from testlib import error_ratio
 
 B, T, H, K, V = 2, 40, 2, 16, 8
@@ -321,7 +322,8 @@ TINY = ["ModelConfig.vocab_size = 64", "ModelConfig.d_model = 32", "ModelConfig.
         "ImplConfig.kda_backend = 'xla'", "ImplConfig.kda_conv_kernel = 'xla'",
         "DataConfig.source = 'mqar'", "DataConfig.mqar_num_kv_pairs = 4",
         "StagesConfig.stages = ((32, 6),)", "StagesConfig.tokens_per_step = 256",
-        "OptimizerConfig.learning_rate = 0.01", "OptimizerConfig.warmup_fraction = 0.0"]
+        "OptimizerConfig.learning_rate = 0.01", "OptimizerConfig.warmup_fraction = 0.0",
+        "EvalConfig.mqar_samples = 8"]
 
 
 def test_parameter_and_flop_counts_follow_the_variant():
@@ -400,3 +402,60 @@ def test_all_mla_model_trains():
     state, metrics = step(state, batch)
     losses.append(float(metrics["loss"]))
   assert np.all(np.isfinite(losses)) and losses[-1] < 0.8 * losses[0], losses
+
+
+# ------------------------------------------------------------------------------------------------
+# MQAR accuracy
+
+
+class Oracle:
+  """A stand-in for K3Model whose greedy prediction at each token is the token that followed its
+  first earlier occurrence: MQAR's answer at every query. With `wrong_odd_rows`, rows 1, 3, ...
+  answer that value + 1 instead (wrong at every query)."""
+
+  def __init__(self, config, wrong_odd_rows=False):
+    self.config, self.impl, self.wrong = config, ImplConfig(), wrong_odd_rows
+
+  def apply(self, variables, inputs, segment_ids, *, return_hidden, mutable):
+    del variables, segment_ids, return_hidden, mutable
+    b, t = inputs.shape
+    pos = jnp.arange(t)
+    earlier = (inputs[:, :, None] == inputs[:, None, :]) & (pos[None, :] < pos[:, None])[None]
+    after_first = jnp.minimum(jnp.argmax(earlier, axis=-1) + 1, t - 1)
+    answer = jnp.where(earlier.any(-1), jnp.take_along_axis(inputs, after_first, axis=1), 0)
+    if self.wrong:
+      answer = jnp.where((jnp.arange(b) % 2 == 1)[:, None], answer + 1, answer)
+    vocab = self.config.vocab_size
+    h = jax.nn.one_hot(answer % vocab, vocab)
+    return (h, jnp.eye(vocab)), {}
+
+
+def test_mqar_accuracy_of_known_predictions():
+  batch = synthetic.mqar_batch(0, 4, 40, 64, 5)
+  right = jax.nn.one_hot(batch["targets"], 64)
+  assert synthetic.mqar_accuracy(right, batch) == 1.0
+  # Off by one at the first 3 of the 5 queries of rows 0 and 1: 6 of the 20 queries wrong.
+  wrong = batch["targets"].copy()
+  for row in (0, 1):
+    first3 = np.flatnonzero(batch["loss_mask"][row])[:3]
+    wrong[row, first3] += 1
+  assert synthetic.mqar_accuracy(jax.nn.one_hot(wrong, 64), batch) == pytest.approx(14 / 20)
+  with pytest.raises(ValueError, match="expected"):
+    synthetic.mqar_accuracy(right[:, 1:], batch)
+
+
+def test_mqar_evaluation_of_an_oracle():
+  """`evaluate_mqar` at any length and pairs, and `mqar/<len>` in the stage-end evaluation of an
+  MQAR run (whose batches have DataConfig.mqar_num_kv_pairs queries)."""
+  from k3jax.training.run_data import make_data
+  cfg = config_lib.from_gin([], TINY + ["EvalConfig.passkey_multipliers = (1,)"])
+  model = cfg.model
+  assert evaluation.evaluate_mqar(Oracle(model), None, None, 48, 6, samples=8) == 1.0
+  assert evaluation.evaluate_mqar(Oracle(model, True), None, None, 48, 6, samples=8) == 0.5
+  data = make_data(cfg)
+  for batch in (next(data.train_iterator(0)), data.validation_batches(32, 2, 1)[0]):
+    assert np.all(batch["loss_mask"].sum(axis=1) == 4)
+  results = evaluation.Evaluator(cfg, Oracle(model, True), data)(None, None, 32)
+  assert results["mqar/32"] == 0.5 and results["passkey/32"] is None
+  assert "mqar/32" not in evaluation.Evaluator(cfg, Oracle(model), data)(None, None, 32,
+                                                                          passkey=False)
