@@ -47,6 +47,9 @@ A_LOG_INITS = ("auto", "zero", "log_uniform")
 QB_CADENCES = ("step", "microbatch")
 MESH_AXES = ("data", "context", "expert")   # k3jax.parallel.sharding.MESH_AXES
 KDA_BACKENDS = ("auto", "xla", "pallas")
+# ModelConfig.kda_variant: KDA, Gated DeltaNet (one decay per head), gated linear attention (no
+# delta rule); docs/architecture.md §1.9.
+KDA_VARIANTS = ("kda", "gdn", "gla")
 # The kernel settings (moe_situ_glu, attnres_kernel, kda_conv_backward, norm_kernel):
 # k3jax.ops.kernel_choice.
 KERNEL_CHOICES = ("auto", "xla", "pallas")
@@ -93,6 +96,11 @@ class ModelConfig:
   # The chunked algorithm's chunk: part of what the model computes in FLOPs (`k3jax.model.flops`),
   # while every chunk size gives the same outputs up to rounding.
   kda_chunk_size: int = 64
+  # The linear-attention layers' recurrence, for ablations (docs/architecture.md §1.9): 'kda'
+  # (per-channel decay and the delta rule), 'gdn' (Gated DeltaNet: one decay per head, the gate
+  # projection [.., H] and dt_bias [H]) or 'gla' (gated linear attention: per-channel decay, no
+  # delta rule and no β projection; XLA only). A full-attention reference is mla_every = 1.
+  kda_variant: str = "kda"
 
   # Gated MLA
   mla_num_heads: int = 2
@@ -184,6 +192,8 @@ class ModelConfig:
            "span leaves fp32's exp range", lb)
     _check(self.kda_a_log_init in A_LOG_INITS, p + "kda_a_log_init", f"one of {A_LOG_INITS}",
            self.kda_a_log_init)
+    _check(self.kda_variant in KDA_VARIANTS, p + "kda_variant",
+           f"one of {KDA_VARIANTS} (KDA, Gated DeltaNet, gated linear attention)", self.kda_variant)
     _check(self.norm_eps > 0, p + "norm_eps", "a positive float", self.norm_eps)
     _check(self.ffn_activation in FFN_ACTIVATIONS, p + "ffn_activation",
            f"one of {FFN_ACTIVATIONS}", self.ffn_activation)
@@ -521,6 +531,8 @@ class EvalConfig:
   num_batches: int = 4
   passkey_multipliers: tuple = (1, 2, 4, 8)
   passkey_samples: int = 8
+  # MQAR accuracy's rows at each stage end of a run whose DataConfig.source is 'mqar'.
+  mqar_samples: int = 64
   log_every_steps: int = 5
   # Passkey lengths (train length x multiplier) above this are not run: at the long stages they
   # would cost more than the stage's training steps and say little about a small model.
@@ -533,6 +545,9 @@ class EvalConfig:
   def validate(self) -> None:
     _check(self.every_steps >= 0, "EvalConfig.every_steps", "an integer >= 0", self.every_steps)
     _check(self.num_batches > 0, "EvalConfig.num_batches", "a positive integer", self.num_batches)
+    _check(isinstance(self.mqar_samples, int) and not isinstance(self.mqar_samples, bool)
+           and self.mqar_samples > 0, "EvalConfig.mqar_samples", "a positive integer",
+           self.mqar_samples)
     _check(self.log_every_steps > 0, "EvalConfig.log_every_steps", "a positive integer",
            self.log_every_steps)
     _check(isinstance(self.passkey_max_len, int) and not isinstance(self.passkey_max_len, bool)
@@ -601,6 +616,10 @@ class Config:
            "ModelConfig.moe_capacity_factor",
            "0 (dropless) when ImplConfig.position_chunk_tokens > 0 (expert capacities would be "
            "per chunk)", self.model.moe_capacity_factor)
+    _check(self.model.kda_variant != "gla" or self.impl.kda_backend != "pallas",
+           "ImplConfig.kda_backend",
+           "'auto' or 'xla' when ModelConfig.kda_variant = 'gla' (the Pallas KDA kernels always "
+           "apply the delta rule; gated linear attention runs on XLA)", self.impl.kda_backend)
     return self
 
   def stage_impl(self, stage: int) -> ImplConfig:

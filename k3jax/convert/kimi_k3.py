@@ -233,8 +233,9 @@ def config_from_hf(hf: dict, dtype: Optional[str] = None,
 
 def check_expressible(cfg: ModelConfig) -> None:
   """Raises ConvertError unless cfg is a K3-shaped model (what `save_hf` writes in this format)."""
-  wanted = dict(attnres=True, attnres_key_norm_gain=True, kda_output_gate_rank=0,
-                kda_gate_rank=cfg.kda_head_dim, kda_value_dim=cfg.kda_head_dim)
+  wanted = dict(kda_variant="kda", attnres=True, attnres_key_norm_gain=True,
+                kda_output_gate_rank=0, kda_gate_rank=cfg.kda_head_dim,
+                kda_value_dim=cfg.kda_head_dim)
   for field, value in wanted.items():
     if getattr(cfg, field) != value:
       raise ConvertError(f"ModelConfig.{field} = {getattr(cfg, field)!r}: a K3 checkpoint needs "

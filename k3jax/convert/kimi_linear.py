@@ -199,9 +199,10 @@ def validated(cfg: ModelConfig) -> ModelConfig:
 
 def check_expressible(cfg: ModelConfig) -> None:
   """Raises ConvertError unless cfg is a Kimi-Linear-shaped model (what `save_hf` can write)."""
-  wanted = dict(attnres=False, moe_latent_dim=0, moe_latent_norm=False, mla_output_gate=False,
-                ffn_activation="swiglu", kda_gate_lower_bound=None, mla_q_lora_rank=0,
-                kda_gate_rank=cfg.kda_head_dim, kda_output_gate_rank=cfg.kda_head_dim,
+  wanted = dict(kda_variant="kda", attnres=False, moe_latent_dim=0, moe_latent_norm=False,
+                mla_output_gate=False, ffn_activation="swiglu", kda_gate_lower_bound=None,
+                mla_q_lora_rank=0, kda_gate_rank=cfg.kda_head_dim,
+                kda_output_gate_rank=cfg.kda_head_dim,
                 kda_value_dim=cfg.kda_head_dim, moe_shared_dim=cfg.moe_expert_dim)
   for field, value in wanted.items():
     if getattr(cfg, field) != value:

@@ -12,13 +12,13 @@ Typical use by the trainer:
 from k3jax.data.corpus import Corpus, iter_documents, load_corpus, load_documents
 from k3jax.data.packing import (StageSeqLen, StepBatchSource, TokenWindows, make_batch,
                                 make_train_iterator, train_source, validation_batches)
-from k3jax.data.synthetic import mqar_batch, passkey_accuracy, passkey_batch
+from k3jax.data.synthetic import mqar_accuracy, mqar_batch, passkey_accuracy, passkey_batch
 from k3jax.data.tokenizers import (ByteTokenizer, SentencePieceTokenizer, TiktokenTokenizer,
                                    make_tokenizer)
 
 __all__ = [
     "ByteTokenizer", "Corpus", "SentencePieceTokenizer", "StageSeqLen", "StepBatchSource",
     "TiktokenTokenizer", "TokenWindows", "iter_documents", "load_corpus", "load_documents",
-    "make_batch", "make_tokenizer", "make_train_iterator", "mqar_batch", "passkey_accuracy",
-    "passkey_batch", "train_source", "validation_batches",
+    "make_batch", "make_tokenizer", "make_train_iterator", "mqar_accuracy", "mqar_batch",
+    "passkey_accuracy", "passkey_batch", "train_source", "validation_batches",
 ]

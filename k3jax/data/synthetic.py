@@ -72,6 +72,31 @@ def mqar_batch(rng, batch: int, seq_len: int, vocab_size: int, num_kv_pairs: int
   return _batch(inputs, targets, loss_mask)
 
 
+def mqar_accuracy(logits, batch: dict) -> float:
+  """The fraction of MQAR queries whose value the greedy prediction gets exactly right.
+
+  Each query position (loss_mask > 0) counts once: it is right when the argmax of its logits is
+  the target (the queried key's value). The fraction is over every query of every row.
+
+  Args:
+    logits: [B, T, V] (numpy or jax), predictions for `batch['targets']`.
+    batch: an `mqar_batch` (or any batch whose loss_mask marks the answer positions), or its
+      'targets' and 'loss_mask' [B, T] cut to the positions the logits cover.
+
+  Raises:
+    ValueError: logits that do not match the batch's [B, T], or a batch with no query.
+  """
+  predictions = np.asarray(logits).argmax(-1)
+  mask = np.asarray(batch["loss_mask"]) > 0
+  if predictions.shape != mask.shape:
+    raise ValueError(f"mqar_accuracy: logits have shape {np.shape(logits)}, expected "
+                     f"[B, T, V] with [B, T] = {mask.shape}")
+  if not mask.any():
+    raise ValueError("mqar_accuracy: the batch's loss_mask marks no query")
+  correct = (predictions == np.asarray(batch["targets"])) & mask
+  return float(correct.sum() / mask.sum())
+
+
 def passkey_batch(rng, batch: int, seq_len: int, tokenizer: Optional[Tokenizer] = None,
                   digits: int = 5, filler_tokens: Optional[np.ndarray] = None,
                   depth: Optional[float] = None) -> dict:

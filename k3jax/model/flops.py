@@ -10,8 +10,9 @@ Counted, per token of the forward (d = d_model, V = vocab_size; one FLOP count p
   lm_head          2·d·V (the embedding lookup is a gather, not a matmul)
   KDA layers (H heads, key dim K, value dim Vh, conv width W, chunk C):
     kda_qkv        2·d·H·(2K + Vh)
-    kda_gate       2·d·H·K, or 2·(d·r + r·H·K) with the low-rank gate (r = kda_gate_rank > 0)
-    kda_beta       2·d·H
+    kda_gate       2·d·H·K, or 2·(d·r + r·H·K) with the low-rank gate (r = kda_gate_rank > 0);
+                   K = 1 for kda_variant 'gdn' (one decay per head)
+    kda_beta       2·d·H (0 for kda_variant 'gla', which has no β)
     kda_out_gate   2·d·H·Vh, or 2·(d·r + r·H·Vh) with the low-rank output gate
                    (r = kda_output_gate_rank > 0)
     kda_out        2·H·Vh·d
@@ -21,7 +22,11 @@ Counted, per token of the forward (d = d_model, V = vocab_size; one FLOP count p
                    Linear paper (per head 6·T·d² + 3·T·C·d + T·C² for T tokens, K = Vh = d; its d²
                    terms are the state products, K·Vh here, and its C·d terms average K and Vh).
                    It is the count experiments/benchmarks/kda_bench.py reports TFLOP/s with
-                   (`kda_chunk_flops`).
+                   (`kda_chunk_flops`). kda_variant 'gdn' counts the same (it runs the KDA op).
+                   'gla' counts H·(4·K·Vh + C·(K + Vh)) (`gla_chunk_flops`), eq. 13 less the
+                   delta rule's terms: two state products instead of three (the queries reading
+                   S_0 and the chunk's writes), two causal C×C products instead of three (the
+                   scores P and P·V; no key-key matrix) and no C² inverse.
   MLA layers (H heads, q/k dim dqk = nope + rope, value dim dv, latent r_kv, query latent r_q):
     mla_q          2·d·H·dqk, or 2·(d·r_q + r_q·H·dqk) with query compression (r_q > 0)
     mla_kv_down    2·d·r_kv
@@ -83,6 +88,17 @@ def kda_chunk_flops(batch: int, seq_len: int, heads: int, head_dim: int, chunk_s
   return float(batch * heads * seq_len * per_token_head)
 
 
+def gla_chunk_flops(batch: int, seq_len: int, heads: int, head_dim: int, chunk_size: int = 64,
+                    value_dim: int | None = None) -> float:
+  """Forward FLOPs of chunked gated linear attention (`k3jax.ops.kda.chunk_gla`) on
+  [batch, seq_len, heads, head_dim] inputs: per token and head 4·K·V + C·(K + V) (module
+  docstring), K = head_dim, V = value_dim (None: head_dim), C = chunk_size."""
+  # Validated by kda_chunk_flops, whose count this one shares its conventions with.
+  kda_chunk_flops(batch, seq_len, heads, head_dim, chunk_size, value_dim)
+  k, v, c = head_dim, head_dim if value_dim is None else value_dim, chunk_size
+  return float(batch * heads * seq_len * (4 * k * v + c * (k + v)))
+
+
 def attnres_mix_sources(cfg: ModelConfig) -> list[int]:
   """The number of sources of every DepthMix of the decoder, in call order (two per layer, then
   the final mix); empty when cfg.attnres is off. Mirrors k3jax.model.decoder.DecoderLayer's
@@ -125,14 +141,16 @@ def forward_flops_breakdown(cfg: Union[ModelConfig, Config], seq_len: int) -> di
 
   h, k, v = m.kda_num_heads, m.kda_head_dim, m.kda_value_dim
   r = m.kda_gate_rank
+  gate_k = 1 if m.kda_variant == "gdn" else k    # the decay gate's channels per head
   out["kda_qkv"] = n_kda * 2.0 * d * h * (2 * k + v)
-  out["kda_gate"] = n_kda * 2.0 * ((d * r + r * h * k) if r > 0 else d * h * k)
-  out["kda_beta"] = n_kda * 2.0 * d * h
+  out["kda_gate"] = n_kda * 2.0 * ((d * r + r * h * gate_k) if r > 0 else d * h * gate_k)
+  out["kda_beta"] = 0.0 if m.kda_variant == "gla" else n_kda * 2.0 * d * h
   r_out = m.kda_output_gate_rank
   out["kda_out_gate"] = n_kda * 2.0 * ((d * r_out + r_out * h * v) if r_out > 0 else d * h * v)
   out["kda_out"] = n_kda * 2.0 * h * v * d
   out["kda_conv"] = n_kda * 2.0 * m.kda_conv_size * h * (2 * k + v)
-  out["kda_chunk"] = n_kda * kda_chunk_flops(1, 1, h, k, m.kda_chunk_size, v)
+  chunk_flops = gla_chunk_flops if m.kda_variant == "gla" else kda_chunk_flops
+  out["kda_chunk"] = n_kda * chunk_flops(1, 1, h, k, m.kda_chunk_size, v)
 
   h, nope, rope, dv = m.mla_num_heads, m.mla_qk_nope_dim, m.mla_qk_rope_dim, m.mla_v_dim
   dqk, rq, rkv = nope + rope, m.mla_q_lora_rank, m.mla_kv_lora_rank

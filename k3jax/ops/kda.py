@@ -16,6 +16,12 @@ initial state instead (zeros, or `initial_state[n]` for sequence n with `cu_seql
 act as the identity (no decay, no write) and output zeros. Segment ids are read as runs: the state
 resets whenever the id differs from that of the previous non-padding token.
 
+Variants (`ModelConfig.kda_variant`, docs/architecture.md §1.9). Gated DeltaNet (`chunk_gdn`) is
+KDA with one decay per head: its gate [.., H] is broadcast over K and runs through `chunk_kda`,
+Pallas kernels included. Gated linear attention (`recurrent_gla`, `chunk_gla`) drops the delta
+rule: step 2 becomes S ← S + k_t v_tᵀ and there is no β. It shares this module's packing, gate
+and intra-chunk decays (its chunked form is KDA's without the WY solve) and has no Pallas kernel.
+
 Gates. `g` is the log decay (≤ 0). The chunked path never forms exp(G_i)·exp(−G_j) over a chunk: it uses
 the masked pairwise exp(G_i − G_j) on same-document causal pairs only, with G_i − G_j summed directly
 from the g between the two tokens, so every exponent is ≤ 0, nothing cancels, and any gate (the bounded
@@ -116,7 +122,8 @@ def _is_concrete(x) -> bool:
 def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids):
   """Checks shapes/dtypes; returns (B, T, H, K, V, N or None)."""
   for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
-    _check_float(name, x)
+    if x is not None or name != "beta":   # beta None: GLA, which has none
+      _check_float(name, x)
   if q.ndim != 4:
     raise ValueError(f"q must have shape [B,T,H,K], got shape {q.shape}")
   B, T, H, K = q.shape
@@ -127,7 +134,7 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids):
   if v.ndim != 4 or v.shape[:3] != (B, T, H):
     raise ValueError(f"v must have shape [B,T,H,V] = ({B}, {T}, {H}, V), got {v.shape}")
   V = v.shape[3]
-  if beta.shape != (B, T, H):
+  if beta is not None and beta.shape != (B, T, H):
     raise ValueError(f"beta must have shape [B,T,H] = {(B, T, H)} (rank 3), got {beta.shape}")
   if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
                             or not scale > 0):
@@ -165,7 +172,8 @@ def _validate(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids):
 def _prepare(q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids):
   """The inputs as jax arrays, validated: ((q, k, v, g, beta, initial_state, segment_ids),
   (B, T, H, K, V, num_seqs))."""
-  q, k, v, g, beta = (jnp.asarray(x) for x in (q, k, v, g, beta))
+  q, k, v, g = (jnp.asarray(x) for x in (q, k, v, g))
+  beta = None if beta is None else jnp.asarray(beta)
   if initial_state is not None:
     initial_state = jnp.asarray(initial_state)
   if segment_ids is not None:
@@ -238,16 +246,24 @@ def recurrent_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     (o [B, T, H, V] in v.dtype, final state float32 [B, H, K, V] ([N, H, K, V] with cu_seqlens) or
     None).
   """
+  _require_beta(beta, "recurrent_kda")
   (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
       q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
   scale = K ** -0.5 if scale is None else float(scale)
   return _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state,
-                             cu_seqlens, segment_ids)
+                             cu_seqlens, segment_ids, True)
+
+
+def _require_beta(beta, where: str) -> None:
+  if beta is None:
+    raise ValueError(f"{where}: beta is required (the delta rule's write strength, [B, T, H]); "
+                     "gated linear attention without it is recurrent_gla / chunk_gla")
 
 
 def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_state, cu_seqlens,
-                        segment_ids):
-  """`recurrent_kda` after validation; scale is a Python float."""
+                        segment_ids, delta_rule):
+  """`recurrent_kda` (delta_rule True) or `recurrent_gla` (False, beta None) after validation;
+  scale is a Python float."""
   B, T, H, K = q.shape
   V = v.shape[-1]
   num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -267,8 +283,11 @@ def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_sta
     new_doc = (label_t != label)[:, None, None, None]
     s = jnp.where(new_doc, fresh, state)
     s = jnp.exp(g_t)[..., None] * s
-    pred = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=_HIGHEST)
-    s = s + b_t[..., None, None] * k_t[..., None] * (v_t - pred)[..., None, :]
+    if delta_rule:
+      pred = jnp.einsum("bhk,bhkv->bhv", k_t, s, precision=_HIGHEST)
+      s = s + b_t[..., None, None] * k_t[..., None] * (v_t - pred)[..., None, :]
+    else:
+      s = s + k_t[..., None] * v_t[..., None, :]
     o_t = jnp.einsum("bhk,bhkv->bhv", q_t * scale, s, precision=_HIGHEST)
     keep = real_t[:, None, None, None]
     s = jnp.where(keep, s, state)
@@ -288,7 +307,8 @@ def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_sta
   label0 = jnp.full((B,), init_label, jnp.int32)
   to_time_major = lambda x: jnp.moveaxis(jnp.asarray(x).astype(f32), 1, 0)
   xs = (to_time_major(q), to_time_major(k), to_time_major(v), to_time_major(g),
-        to_time_major(beta), jnp.moveaxis(labels, 1, 0), jnp.moveaxis(real, 1, 0))
+        to_time_major(beta) if delta_rule else None, jnp.moveaxis(labels, 1, 0),
+        jnp.moveaxis(real, 1, 0))
   (state, _, finals), o = jax.lax.scan(step, (state0, label0, finals0), xs)
   o = jnp.moveaxis(o, 0, 1).astype(v.dtype)
   if not output_final_state:
@@ -296,7 +316,7 @@ def _recurrent_kda_impl(q, k, v, g, beta, scale, initial_state, output_final_sta
   return o, (finals if packed else state)
 
 
-_recurrent_kda_impl = jax.jit(_recurrent_kda_impl, static_argnums=(5, 7))
+_recurrent_kda_impl = jax.jit(_recurrent_kda_impl, static_argnums=(5, 7, 10))
 
 # --------------------------------------------------------------------------------------------------
 # Chunked (WY) algorithm.
@@ -361,14 +381,8 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
       with cu_seqlens, [N, H, K, V], the state at each sequence's last token (the initial state, or
       zeros, for an empty sequence); None unless output_final_state.
   """
-  if backend not in _BACKENDS:
-    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
-  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 \
-      or chunk_size % 16:
-    raise ValueError(f"chunk_size must be a positive multiple of 16, got {chunk_size!r}")
-  if A_log is None and (dt_bias is not None or lower_bound is not None):
-    raise ValueError("chunk_kda: dt_bias and lower_bound belong to the fused gate: pass A_log too "
-                     "(or pass the log decay kda_gate(...) as g, without them)")
+  _require_beta(beta, "chunk_kda")
+  _check_chunk_options("chunk_kda", backend, chunk_size, A_log, dt_bias, lower_bound)
   if context.context_slices() > 1:
     # The row is split over the mesh's context axis: each slice runs this op on its tokens and
     # the slices pass their states (k3jax.parallel.context).
@@ -388,15 +402,7 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
       q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
   fused = A_log is not None
-  if fused:
-    # kda_gate's checks of A_log, dt_bias and lower_bound, for both backends, without tracing it.
-    jax.eval_shape(functools.partial(kda_gate, lower_bound=lower_bound), g, A_log, dt_bias)
-  if not fused and not isinstance(g, jax.core.Tracer):
-    # numpy, not jnp: a concrete g closed over by a jit would otherwise give a traced maximum.
-    g_max = float(np.max(np.asarray(g))) if g.size else 0.0
-    if g_max > 0:
-      raise ValueError(f"g must be a log decay <= 0 (kda_gate's output); its largest entry is "
-                       f"{g_max}, a growth of the state")
+  _check_gate(g, A_log, dt_bias, lower_bound)
 
   if backend == "pallas" or (backend == "auto" and jax.default_backend() == "gpu"):
     try:
@@ -433,9 +439,40 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
                         bool(qkv_zero_at_padding))
 
 
+def _check_chunk_options(where, backend, chunk_size, A_log, dt_bias, lower_bound) -> None:
+  """The checks of the chunked ops' options that need no array."""
+  if backend not in _BACKENDS:
+    raise ValueError(f"backend must be one of {_BACKENDS}, got {backend!r}")
+  if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0 \
+      or chunk_size % 16:
+    raise ValueError(f"chunk_size must be a positive multiple of 16, got {chunk_size!r}")
+  if A_log is None and (dt_bias is not None or lower_bound is not None):
+    raise ValueError(f"{where}: dt_bias and lower_bound belong to the fused gate: pass A_log too "
+                     "(or pass the log decay kda_gate(...) as g, without them)")
+
+
+def _check_gate(g, A_log, dt_bias, lower_bound) -> None:
+  """The fused gate's parameters (A_log given), or a concrete log decay g that never grows."""
+  if A_log is not None:
+    # kda_gate's checks of A_log, dt_bias and lower_bound, for both backends, without tracing it.
+    jax.eval_shape(functools.partial(kda_gate, lower_bound=lower_bound), g, A_log, dt_bias)
+  elif not isinstance(g, jax.core.Tracer):
+    # numpy, not jnp: a concrete g closed over by a jit would otherwise give a traced maximum.
+    g_max = float(np.max(np.asarray(g))) if g.size else 0.0
+    if g_max > 0:
+      raise ValueError(f"g must be a log decay <= 0 (kda_gate's output); its largest entry is "
+                       f"{g_max}, a growth of the state")
+
+
 def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, use_qk_l2norm,
-                   cu_seqlens, segment_ids, chunk_size, qkv_zero_at_padding=False):
-  """`chunk_kda` on the XLA backend, after validation; scale is a Python float."""
+                   cu_seqlens, segment_ids, chunk_size, qkv_zero_at_padding=False,
+                   delta_rule=True):
+  """`chunk_kda` on the XLA backend, after validation; scale is a Python float.
+
+  delta_rule False is `chunk_gla` (beta None): no WY solve, the pseudo-values are the values
+  themselves (Δ = V in docs/architecture.md §1.4's notation), and only the query-key scores are
+  formed.
+  """
   B, T, H, K = q.shape
   V = v.shape[-1]
   num_seqs = None if cu_seqlens is None else cu_seqlens.shape[0] - 1
@@ -451,18 +488,24 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
   if use_qk_l2norm:
     q, k = l2_normalize(q), l2_normalize(k)
   q = q.astype(f32) * scale
-  k, v, g, beta = k.astype(f32), v.astype(f32), g.astype(f32), beta.astype(f32)
+  k, v, g = k.astype(f32), v.astype(f32), g.astype(f32)
   # Padding tokens are the identity: no decay, no write, no read.
   m = real[..., None, None]
   g = jnp.where(m, g, 0.0)
   if not qkv_zero_at_padding:
     q, k = jnp.where(m, q, 0.0), jnp.where(m, k, 0.0)
-  beta = jnp.where(real[..., None], beta, 0.0)
+  if delta_rule:
+    beta = jnp.where(real[..., None], beta.astype(f32), 0.0)
+  else:
+    # Without β, a padding token's write k vᵀ is silenced by its key alone: zero it whatever the
+    # caller promised (qkv_zero_at_padding), so that padding stays the identity.
+    k = jnp.where(m, k, 0.0)
 
   pad = T_pad - T
   if pad:
     labels = jnp.concatenate([labels, jnp.broadcast_to(labels[:, -1:], (B, pad))], axis=1)
-    zeros_like_pad = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+    zeros_like_pad = lambda x: None if x is None else jnp.pad(
+        x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
     q, k, v, g, beta = (zeros_like_pad(x) for x in (q, k, v, g, beta))
 
   # [B, T, H, X] -> [B, H, NC, C, X]
@@ -471,7 +514,8 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
     return jnp.moveaxis(x, 3, 1)
 
   qc, kc, vc, gc = to_chunks(q), to_chunks(k), to_chunks(v), to_chunks(g)
-  bc = jnp.moveaxis(beta.reshape(B, num_chunks, C, H), 3, 1)          # [B, H, NC, C]
+  if delta_rule:
+    bc = jnp.moveaxis(beta.reshape(B, num_chunks, C, H), 3, 1)        # [B, H, NC, C]
   lab = labels.reshape(B, num_chunks, C)                                # [B, NC, C]
   # Label of the state carried into each chunk: that of the previous chunk's last token.
   lab_in = jnp.concatenate([jnp.full((B, 1), init_label, jnp.int32), lab[:, :-1, -1]], axis=1)
@@ -484,13 +528,18 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
   # start, for the document carried in): a cumsum that restarts at documents, as a masked sum.
   gs = jnp.einsum("bxnij,bhnjk->bhnik", pair_incl.astype(f32), gc,
                   precision=_HIGHEST)                                   # [B, H, NC, C, K]
-  a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict)
-  lower = jnp.where(pair_strict, bc[..., :, None] * a_kk, 0.0)
-  # (I + L)^{-1} diag(β) applied to exp(G)·k and to v: the WY factors w and u.
-  inverse = _unit_lower_inverse(lower)
-  solve = lambda rhs: jnp.einsum("...ij,...jx->...ix", inverse, rhs, precision=_HIGHEST)
-  w = solve(bc[..., None] * jnp.exp(gs) * kc)                           # [B, H, NC, C, K]
-  u = solve(bc[..., None] * vc)                                         # [B, H, NC, C, V]
+  if delta_rule:
+    a_qk, a_kk = _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict)
+    lower = jnp.where(pair_strict, bc[..., :, None] * a_kk, 0.0)
+    # (I + L)^{-1} diag(β) applied to exp(G)·k and to v: the WY factors w and u.
+    inverse = _unit_lower_inverse(lower)
+    solve = lambda rhs: jnp.einsum("...ij,...jx->...ix", inverse, rhs, precision=_HIGHEST)
+    w = solve(bc[..., None] * jnp.exp(gs) * kc)                         # [B, H, NC, C, K]
+    u = solve(bc[..., None] * vc)                                       # [B, H, NC, C, V]
+  else:
+    # GLA: each token writes k vᵀ as it is; there is nothing to solve, and w is never read.
+    a_qk = _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict, with_kk=False)
+    w, u = None, vc
   qg = qc * jnp.exp(gs)
 
   # Decay from each token to the chunk's end, for the chunk's last document only (the one whose
@@ -514,16 +563,20 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
   def chunk_step(state, xs):
     a_qk_c, w_c, u_c, qg_c, kend_c, glast_c, cont_c, lastcont_c, lab_c = xs
     cont4 = cont_c[:, None, :, None]
-    w_s = jnp.einsum("bhck,bhkv->bhcv", w_c, state, precision=_HIGHEST)
     q_s = jnp.einsum("bhck,bhkv->bhcv", qg_c, state, precision=_HIGHEST)
     if gather_h0:
       fresh = jnp.moveaxis(fresh_state(lab_c), 1, 2)                    # [B, H, C, K, V]
-      w_f = jnp.einsum("bhck,bhckv->bhcv", w_c, fresh, precision=_HIGHEST)
       q_f = jnp.einsum("bhck,bhckv->bhcv", qg_c, fresh, precision=_HIGHEST)
       last_fresh = fresh_state(lab_c[:, -1])
     else:
-      w_f = q_f = last_fresh = 0.0
-    v_new = u_c - jnp.where(cont4, w_s, w_f)
+      q_f = last_fresh = 0.0
+    if delta_rule:
+      w_s = jnp.einsum("bhck,bhkv->bhcv", w_c, state, precision=_HIGHEST)
+      w_f = (jnp.einsum("bhck,bhckv->bhcv", w_c, fresh, precision=_HIGHEST) if gather_h0
+             else 0.0)
+      v_new = u_c - jnp.where(cont4, w_s, w_f)
+    else:
+      v_new = u_c
     o_c = jnp.where(cont4, q_s, q_f) + jnp.einsum("bhij,bhjv->bhiv", a_qk_c, v_new,
                                                   precision=_HIGHEST)
     start = jnp.where(lastcont_c[:, None, None, None], state, last_fresh)
@@ -536,7 +589,7 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
     # pass instead of storing them for every chunk.
     chunk_step = jax.checkpoint(chunk_step)
 
-  chunk_major = lambda x, axis: jnp.moveaxis(x, axis, 0)
+  chunk_major = lambda x, axis: None if x is None else jnp.moveaxis(x, axis, 0)
   xs = (chunk_major(a_qk, 2), chunk_major(w, 2), chunk_major(u, 2), chunk_major(qg, 2),
         chunk_major(k_to_end, 2), chunk_major(g_last, 2), chunk_major(continues, 1),
         chunk_major(last_continues, 1), chunk_major(lab, 1))
@@ -556,7 +609,7 @@ def _chunk_kda_xla(q, k, v, g, beta, scale, initial_state, output_final_state, u
                                  v_new, states_in)
 
 
-_chunk_kda_xla = jax.jit(_chunk_kda_xla, static_argnums=(5, 7, 8, 11, 12))
+_chunk_kda_xla = jax.jit(_chunk_kda_xla, static_argnums=(5, 7, 8, 11, 12, 13))
 
 
 def _packed_final_states(cu_seqlens, num_seqs, C, T_pad, h0, kc, gc, gs, lab, lab_in, v_new,
@@ -634,7 +687,7 @@ def _unit_lower_inverse(lower: jax.Array) -> jax.Array:
                           for a in range(n)], axis=-2)
 
 
-def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict):
+def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict, with_kk=True):
   """The chunk's decayed score matrices, exact for any gate g ≤ 0 and O(C²·K) per chunk.
 
   a_qk[i, j] = Σ_d q_id k_jd exp(G_id − G_jd) over same-document pairs j ≤ i, and a_kk the same
@@ -643,7 +696,8 @@ def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict):
   (sum from j+1 to the end of j's tile); all three are sums of one sign, so nothing cancels, each
   factor is ≤ 1, and the product is a plain matmul of q·exp(·) with k·exp(·). Pairs inside one
   sub-tile sum their 16-token stretch directly. Shapes: qc, kc, gc [B, H, NC, C, K];
-  pair_incl / pair_strict [B, 1, NC, C, C] bool. Returns two [B, H, NC, C, C] float32 arrays.
+  pair_incl / pair_strict [B, 1, NC, C, C] bool. Returns two [B, H, NC, C, C] float32 arrays, or
+  a_qk alone with `with_kk` False (GLA, which has no key-key system to solve).
   """
   B, H, NC, C, K = qc.shape
   S = _SUB
@@ -663,7 +717,6 @@ def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict):
   key_fac = jnp.where(earlier, jnp.exp(key_exp), 0.0) * kb[:, :, :, None]
   qexp, kexp = qb * jnp.exp(prefix), kb * jnp.exp(prefix)
   off_qk = jnp.einsum("zhcask,zhcabtk->zhcasbt", qexp, key_fac, precision=_HIGHEST)
-  off_kk = jnp.einsum("zhcask,zhcabtk->zhcasbt", kexp, key_fac, precision=_HIGHEST)
   # Inside one sub-tile: Σ_{t<u≤s} g_u for t ≤ s, summed directly.
   si = np.arange(S)
   within = ((si[None, :, None] < si[None, None, :]) &
@@ -672,7 +725,6 @@ def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict):
   diag_exp = jnp.einsum("stu,zhcauk->zhcastk", jnp.asarray(within), gb, precision=_HIGHEST)
   diag_dec = jnp.where(causal, jnp.exp(jnp.where(causal, diag_exp, 0.0)), 0.0)
   diag_qk = jnp.einsum("zhcask,zhcastk,zhcatk->zhcast", qb, diag_dec, kb, precision=_HIGHEST)
-  diag_kk = jnp.einsum("zhcask,zhcastk,zhcatk->zhcast", kb, diag_dec, kb, precision=_HIGHEST)
   same_tile = jnp.asarray(np.eye(n, dtype=bool))[:, None, :, None]       # [a, 1, b, 1]
 
   def assemble(off, diag):
@@ -680,5 +732,159 @@ def _intra_chunk_scores(qc, kc, gc, pair_incl, pair_strict):
     return full.reshape(B, H, NC, C, C)
 
   a_qk = jnp.where(pair_incl, assemble(off_qk, diag_qk), 0.0)
+  if not with_kk:
+    return a_qk
+  off_kk = jnp.einsum("zhcask,zhcabtk->zhcasbt", kexp, key_fac, precision=_HIGHEST)
+  diag_kk = jnp.einsum("zhcask,zhcastk,zhcatk->zhcast", kb, diag_dec, kb, precision=_HIGHEST)
   a_kk = jnp.where(pair_strict, assemble(off_kk, diag_kk), 0.0)
   return a_qk, a_kk
+
+
+# --------------------------------------------------------------------------------------------------
+# Variants (ModelConfig.kda_variant): Gated DeltaNet and gated linear attention.
+# --------------------------------------------------------------------------------------------------
+
+
+def gdn_gate(x: jax.Array, A_log: Optional[jax.Array], dt_bias: Optional[jax.Array] = None,
+             lower_bound: Optional[float] = -5.0) -> jax.Array:
+  """Per-head log decay of Gated DeltaNet: `kda_gate` with one channel per head.
+
+  Args:
+    x: [..., H] gate pre-activation, any float dtype.
+    A_log: [H] per-head log rate, or None.
+    dt_bias: [H], or None (zero).
+    lower_bound: in [-5, 0), or None for the unbounded form.
+
+  Returns:
+    g: [..., H] float32.
+  """
+  x = jnp.asarray(x)
+  if x.ndim < 1:
+    raise ValueError(f"x must have shape [..., H], got shape {x.shape}")
+  return kda_gate(x[..., None], A_log, dt_bias, lower_bound=lower_bound)[..., 0]
+
+
+def _gdn_decay(q: jax.Array, g: jax.Array, dt_bias: Optional[jax.Array], where: str):
+  """(g [B, T, H] broadcast to [B, T, H, K], dt_bias [H] repeated to [H*K] or None)."""
+  q, g = jnp.asarray(q), jnp.asarray(g)
+  if q.ndim != 4:
+    raise ValueError(f"{where}: q must have shape [B,T,H,K], got shape {q.shape}")
+  if g.shape != q.shape[:3]:
+    raise ValueError(f"{where}: g must have shape [B,T,H] = {q.shape[:3]} (one decay per head), "
+                     f"got {g.shape}")
+  num_heads, head_dim = q.shape[2:]
+  if dt_bias is not None:
+    dt_bias = jnp.asarray(dt_bias)
+    if dt_bias.shape != (num_heads,):
+      raise ValueError(f"{where}: dt_bias must have shape [H] = ({num_heads},), got "
+                       f"{dt_bias.shape}")
+    # Constant over K: kda_gate on the broadcast input is then gdn_gate broadcast, channel by
+    # channel, and autodiff sums the K copies' gradients back into the head's.
+    dt_bias = jnp.repeat(dt_bias, head_dim)
+  return jnp.broadcast_to(g[..., None], g.shape + (head_dim,)), dt_bias
+
+
+def recurrent_gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array,
+                  **options):
+  """Token-by-token Gated DeltaNet: `recurrent_kda` with the per-head log decay g [B, T, H]
+  broadcast over K. Every other argument and the result are `recurrent_kda`'s."""
+  g, _ = _gdn_decay(q, g, None, "recurrent_gdn")
+  return recurrent_kda(q, k, v, g, beta, **options)
+
+
+def chunk_gdn(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+              A_log: Optional[jax.Array] = None, dt_bias: Optional[jax.Array] = None,
+              lower_bound: Optional[float] = None, **options):
+  """Chunked Gated DeltaNet: `chunk_kda` with one log decay per head, broadcast over K.
+
+  The state update is KDA's with diag(exp g_t) = exp(g_t)·I, so the KDA op computes it exactly,
+  on either backend (the Pallas kernels included, context parallelism too).
+
+  Args:
+    q, k, v, beta: as `chunk_kda`.
+    g: [B, T, H] log decay (≤ 0), or with A_log the gate's raw input, whose decay is then
+      `gdn_gate(g, A_log, dt_bias, lower_bound)` (fused into the kernels as KDA's gate is: the
+      per-channel gate of an input and a bias constant over K).
+    A_log: [H] fp32, or None.
+    dt_bias: [H] fp32 gate bias, or None (zero); only with A_log.
+    lower_bound: as `chunk_kda`'s; only with A_log.
+    **options: the other keyword arguments of `chunk_kda`.
+
+  Returns:
+    (o [B, T, H, V], final state or None), as `chunk_kda`.
+  """
+  g, dt_bias = _gdn_decay(q, g, dt_bias, "chunk_gdn")
+  return chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, lower_bound=lower_bound,
+                   **options)
+
+
+def recurrent_gla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, *,
+                  scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
+                  output_final_state: bool = False, cu_seqlens: Optional[jax.Array] = None,
+                  segment_ids: Optional[jax.Array] = None):
+  """Token-by-token gated linear attention with `lax.scan`, all math in float32: the ground truth
+  for `chunk_gla`.
+
+  Per head and token: S ← diag(exp g_t)·S + k_t v_tᵀ, o_t = Sᵀ(scale·q_t): KDA's recurrence
+  without the delta rule (no β, no correction of what the state predicts for k_t). Arguments,
+  packing and results are `recurrent_kda`'s, less beta.
+  """
+  (q, k, v, g, _, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
+      q, k, v, g, None, scale, initial_state, cu_seqlens, segment_ids)
+  scale = K ** -0.5 if scale is None else float(scale)
+  return _recurrent_kda_impl(q, k, v, g, None, scale, initial_state, output_final_state,
+                             cu_seqlens, segment_ids, False)
+
+
+def chunk_gla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, *,
+              scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
+              output_final_state: bool = False, use_qk_l2norm: bool = False,
+              cu_seqlens: Optional[jax.Array] = None, segment_ids: Optional[jax.Array] = None,
+              chunk_size: int = 64, backend: str = "auto", A_log: Optional[jax.Array] = None,
+              dt_bias: Optional[jax.Array] = None, lower_bound: Optional[float] = None,
+              qkv_zero_at_padding: bool = False):
+  """Chunked gated linear attention (per-channel decay, no delta rule) in plain JAX, fp32.
+
+  Per chunk, with S_0 the state entering it and G the in-document cumulative log decay:
+  O = (s Q ⊙ e^G) S_0 + P V and S_C = diag(e^{G_C}) S_0 + (K ⊙ e^{G_C − G})ᵀ V, where P is KDA's
+  decayed query-key score matrix (`_intra_chunk_scores`: every decay a one-signed sum, exact for
+  any g ≤ 0). Differentiable by autodiff.
+
+  Args: those of `chunk_kda`, less beta (the fused gate A_log, dt_bias, lower_bound is KDA's
+  per-channel gate). backend: 'xla' or 'auto' run this code; 'pallas' raises ValueError, since
+  the KDA kernels always apply the delta rule and GLA has no kernel of its own.
+
+  Returns:
+    (o [B, T, H, V] in v.dtype, final state float32 or None), as `chunk_kda`.
+  """
+  _check_chunk_options("chunk_gla", backend, chunk_size, A_log, dt_bias, lower_bound)
+  if backend == "pallas":
+    raise ValueError("chunk_gla: backend='pallas' is not available for gated linear attention: "
+                     "the Pallas KDA kernels always apply the delta rule, and GLA has no kernel "
+                     "of its own; use backend='xla' or 'auto' (ImplConfig.kda_backend)")
+  if context.context_slices() > 1:
+    # The state after a slice is affine in the state entering it (S_out = diag(e^G)·S_in + S_ext),
+    # so KDA's state passing applies unchanged.
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+      raise ValueError("chunk_gla under context parallelism (a mesh with a context axis) takes "
+                       "neither initial_state, output_final_state nor cu_seqlens: those are for "
+                       "decoding and packed single rows; use segment_ids")
+    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+                   backend=backend, lower_bound=lower_bound,
+                   qkv_zero_at_padding=qkv_zero_at_padding)
+
+    def one_slice(a_log, dt_b, q, k, v, g, beta, h0, seg):
+      del beta  # None: GLA has none
+      return chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, segment_ids=seg,
+                       A_log=a_log, dt_bias=dt_b, **options)
+    return context.kda_over_slices(one_slice, q, k, v, g, None, segment_ids,
+                                   shared=(A_log, dt_bias)), None
+  (q, k, v, g, _, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
+      q, k, v, g, None, scale, initial_state, cu_seqlens, segment_ids)
+  _check_gate(g, A_log, dt_bias, lower_bound)
+  scale = K ** -0.5 if scale is None else float(scale)
+  if A_log is not None:
+    g = kda_gate(g, A_log, dt_bias, lower_bound=lower_bound)
+  return _chunk_kda_xla(q, k, v, g, None, scale, initial_state, output_final_state,
+                        use_qk_l2norm, cu_seqlens, segment_ids, chunk_size,
+                        bool(qkv_zero_at_padding), False)

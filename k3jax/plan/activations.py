@@ -19,6 +19,9 @@ H heads, K and V head dims, C the KDA chunk, m a GLU's width.
     slice's transition, `k3jax/parallel/context.py`): V → V + K where the kernel sees V.
   KDA (XLA, CPU): the fp32 chunked algorithm of `k3jax/ops/kda.py`, dominated by the decays of
     its 16-token sub-tiles (16·K a token and head).
+  KDA variants (ModelConfig.kda_variant): 'gdn' has a gate pre-activation of a·(r + H) and the
+    KDA kernels' residuals (its decay is broadcast over K before them); 'gla' has no β and always
+    runs the XLA path (`resolve_kernels`), which keeps no key-key matrix, inverse or WY factors.
   MLA: the query latent before and after its norm (a·2r_q, f), q (a·H·dqk), the kv latent before
     and after its norm (a·2r_kv, f), k (a·H·dqk), v, o and the gate's pre-activation (a·H·dv
     each; XLA recomputes the gated output in the backward), the log-sum-exp (f·H). Under context
@@ -63,12 +66,16 @@ class Kernels:
   grouped_matmul: str  # 'tiled' | 'tokamax' | 'ragged_dot'
 
 
-def resolve_kernels(impl: config_lib.ImplConfig, backend: str) -> Kernels:
-  """backend: 'gpu' (the GPU kernels, what a run on GPUs compiles) or 'cpu'."""
+def resolve_kernels(impl: config_lib.ImplConfig, backend: str,
+                    model: config_lib.ModelConfig | None = None) -> Kernels:
+  """backend: 'gpu' (the GPU kernels, what a run on GPUs compiles) or 'cpu'; model: the run's
+  ModelConfig, whose kda_variant 'gla' runs on XLA whatever the backend (None: KDA)."""
   if backend not in ("gpu", "cpu"):
     raise ValueError(f"backend must be 'gpu' or 'cpu', got {backend!r}")
   kda = impl.kda_backend
-  if kda == "auto":
+  if model is not None and model.kda_variant == "gla":
+    kda = "xla"
+  elif kda == "auto":
     kda = "pallas" if backend == "gpu" else "xla"
   gmm = impl.moe_grouped_matmul
   if gmm == "auto":
@@ -113,10 +120,12 @@ def kda_bytes(cfg: config_lib.ModelConfig, kda: str, context: int) -> tuple[floa
   h, k, v, c = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_value_dim, cfg.kda_chunk_size
   vk = v + k if context > 1 else v
   proj = a * h * (2 * k + v)                               # pre-conv q, k, v (matmul outputs)
-  gate_in = a * cfg.kda_gate_rank + a * h * k              # low-rank input, pre-activation
+  gate_k = 1 if cfg.kda_variant == "gdn" else k            # the decay gate's channels per head
+  gate_in = a * cfg.kda_gate_rank + a * h * gate_k         # low-rank input, pre-activation
   out_gate = a * h * v + a * cfg.kda_output_gate_rank
   dots = proj + gate_in + out_gate + a * h * v             # + the gated output before o_proj
-  saved = dots + a * h * (k + k + vk) + F32 * h            # conv outputs, beta
+  beta = 0 if cfg.kda_variant == "gla" else F32 * h
+  saved = dots + a * h * (k + k + vk) + beta               # conv outputs, beta
   if kda == "pallas":
     saved += (a * 2 * h * k + F32 * 2 * h + F32 * h * k + F32 * 2 * h * c + a * h * c
               + a * 3 * h * k + a * h * vk + a * h * k * vk / c)
@@ -130,15 +139,21 @@ def kda_bytes(cfg: config_lib.ModelConfig, kda: str, context: int) -> tuple[floa
 
 def xla_kda_bytes(cfg: config_lib.ModelConfig) -> float:
   """`k3jax.ops.kda._chunk_kda_xla`'s fp32 residuals per token: the intra-chunk decays of its
-  16-token sub-tiles (16·K and their keys per head), the chunk matrices and the WY factors."""
+  16-token sub-tiles (16·K and their keys per head), the chunk matrices and the WY factors
+  (kda_variant 'gla': the query-key scores alone, no WY factors)."""
   h, k, v, c = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_value_dim, cfg.kda_chunk_size
   s = XLA_KDA_SUBTILE
   tiles = c // s
-  per_head = (2 * s * k                # diagonal-tile decays and their masked exponents
-              + 2 * tiles * k          # off-diagonal key factors
-              + 6 * k + 3 * v          # q, k, g, cumulative g, w, qg; v, u, v_new
-              + 4 * c)                 # a_qk, a_kk, the inverse and the lower factor
-  return F32 * h * per_head + F32 * h * k * v / c
+  if cfg.kda_variant == "gla":
+    per_head = (2 * s * k + 2 * tiles * k  # the sub-tiles' decays and key factors, as KDA's
+                + 5 * k + v                # q, k, g, cumulative g, qg; v
+                + c)                       # a_qk
+  else:
+    per_head = (2 * s * k              # diagonal-tile decays and their masked exponents
+                + 2 * tiles * k        # off-diagonal key factors
+                + 6 * k + 3 * v        # q, k, g, cumulative g, w, qg; v, u, v_new
+                + 4 * c)               # a_qk, a_kk, the inverse and the lower factor
+  return F32 * h * per_head + F32 * h * k * v / c   # + the state entering each chunk
 
 
 def mla_bytes(cfg: config_lib.ModelConfig, context: int) -> tuple[float, float]:

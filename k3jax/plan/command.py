@@ -93,7 +93,7 @@ def report(cfg: config_lib.Config, mesh_flag: str, device_gib: float, fsdp: bool
   mesh = parse_mesh(mesh_flag)
   plans = plan_stages(cfg, mesh, device_gib, fsdp, backend)
   total, _ = count_params(cfg.model)
-  kernels = resolve_kernels(cfg.impl, backend)
+  kernels = resolve_kernels(cfg.impl, backend, cfg.model)
   where = f"--mesh={mesh.spec()} ({mesh.devices} devices)" if mesh.devices > 1 else "one device"
   unit, rows = table(plans)
   lines = [f"memory plan: {where}, {'FSDP' if fsdp else 'no FSDP'}, {device_gib:g} GiB a device, "

@@ -193,7 +193,7 @@ def stage_memory(cfg: config_lib.Config, stage: int, mesh: MeshShape, fsdp: bool
   check_mesh(cfg, mesh, stages=[stage])
   scfg, m = cfg.stages, cfg.model
   impl = cfg.stage_impl(stage)
-  kernels = acts.resolve_kernels(impl, backend)
+  kernels = acts.resolve_kernels(impl, backend, cfg.model)
   seq_len, rows = scfg.stages[stage][0], scfg.batch_size(stage)
   micro_rows = scfg.microbatch_rows(seq_len, rows)
   num_micro = rows // micro_rows

@@ -6,7 +6,7 @@
   state       TrainState and its initialisation
   loss        the token cross-entropy, chunked over positions
   optim       AdamW / Muon, the schedule, QK-Clip
-  evaluation  validation loss, loss by position, passkey retrieval
+  evaluation  validation loss, loss by position, passkey retrieval, MQAR accuracy
   run_data    the run's data (training batches, validation batches, tokenizer)
   checkpoint  orbax checkpoints: save, restore, integrity, layout conversion
   run_dir     the run directory's config

@@ -20,6 +20,12 @@ EvalConfig.passkey_max_len: at the long stages (8M tokens a sample at 8 x 1M) it
 affordable nor informative for a small model. Lengths above the limit are listed under
 `passkey_skipped_lengths`; `passkey/<len>` = None still means "shorter than the task needs".
 
+MQAR recall (`mqar/<len>`: the fraction of queried values whose argmax prediction is exact,
+`synthetic.mqar_accuracy`) runs at stage ends, at the stage's length and
+DataConfig.mqar_num_kv_pairs, on EvalConfig.mqar_samples fresh rows, in runs whose
+DataConfig.source is 'mqar'. `evaluate_mqar`
+measures it for any model at any length and number of pairs (a study's sweep).
+
 `Evaluator(cfg, model, data)` evaluates given params/moe_state at a training length; the
 training loop calls it at each stage end. `evaluate_workdir` restores a run's checkpoint (params and
 moe_state only) and evaluates it: the `evaluate` command (`k3jax/evaluate.py`).
@@ -43,6 +49,9 @@ from k3jax.training.loss import chunked_loss_by_position, document_positions
 from k3jax.training.run_data import make_data
 
 PyTree = Any
+# MQAR evaluation rows come from rng streams [seed, _MQAR_EVAL_STREAM, seq_len, pairs]: disjoint
+# from the training steps' [seed, step] and the validation batches' (k3jax.training.run_data).
+_MQAR_EVAL_STREAM = 1 << 41
 
 
 def passkey_min_len(tokenizer, digits: int = 5) -> int:
@@ -65,6 +74,53 @@ def answer_window(loss_mask: np.ndarray) -> tuple[int, int]:
   if not marked.any():
     raise ValueError("answer_window: loss_mask marks no answer token")
   return int(np.argmax(marked.any(axis=0))), marked.shape[1]
+
+
+def _answer_logits_fn(model):
+  """answer_logits(params, moe_state, batch, first) -> fp32 logits [B, T - first, V] of the
+  positions [first, T) only (first: static), jitted; `model` is a K3Model (its apply with
+  return_hidden gives the final hidden states and the LM head)."""
+  def answer_logits(params, moe_state, batch, first):
+    (h, head), _ = model.apply({"params": params, "moe_state": moe_state}, batch["inputs"],
+                               batch["segment_ids"], return_hidden=True, mutable=["moe_stats"])
+    return jnp.dot(h[:, first:], head.astype(h.dtype), preferred_element_type=jnp.float32)
+  return runtime_lib.jit(answer_logits, static_argnums=3)
+
+
+def _mqar_accuracy(answer_logits, params, moe_state, vocab_size: int, seq_len: int,
+                   num_kv_pairs: int, samples: int, seed: int) -> float:
+  """`synthetic.mqar_accuracy` over `samples` fresh MQAR rows of `seq_len` tokens, one batch,
+  with the logits of the positions from the first query on."""
+  rng = np.random.default_rng([seed, _MQAR_EVAL_STREAM, seq_len, num_kv_pairs])
+  batch = synthetic.mqar_batch(rng, samples, seq_len, vocab_size, num_kv_pairs)
+  first, _ = answer_window(batch["loss_mask"])
+  logits = answer_logits(params, moe_state, _device_batch(batch), first)
+  return synthetic.mqar_accuracy(logits, {k: batch[k][:, first:] for k in ("targets", "loss_mask")})
+
+
+def evaluate_mqar(model, params, moe_state, seq_len: int, num_kv_pairs: int, *,
+                  samples: int = 64, seed: int = 0, vocab_size: Optional[int] = None) -> float:
+  """MQAR recall of a trained model: the fraction of queried values it predicts exactly (argmax)
+  on `samples` rows of `seq_len` tokens with `num_kv_pairs` key-value pairs each.
+
+  Args:
+    model: the `K3Model` (e.g. `K3Model(cfg.model, cfg.impl)` of a run restored with
+      `checkpoint.restore_run`).
+    params, moe_state: its variables.
+    seq_len, num_kv_pairs: the task's shape (`synthetic.mqar_batch`; seq_len >= 3·num_kv_pairs).
+    samples: rows, run as one batch.
+    seed: picks the rows (streams disjoint from any run's training and validation rows).
+    vocab_size: the ids the task draws from; default the model's vocabulary (what training with
+      DataConfig.source = 'mqar' uses).
+
+  Returns:
+    the accuracy in [0, 1].
+  """
+  if not (isinstance(samples, int) and samples > 0):
+    raise ValueError(f"evaluate_mqar: samples={samples!r} must be a positive integer")
+  vocab = model.config.vocab_size if vocab_size is None else vocab_size
+  return _mqar_accuracy(_answer_logits_fn(model), params, moe_state, vocab, seq_len,
+                        num_kv_pairs, samples, seed)
 
 
 class Evaluator:
@@ -99,13 +155,8 @@ class Evaluator:
                                       chunk_tokens)
       return sums, stats
 
-    def answer_logits(params, moe_state, batch, first):
-      """fp32 logits [B, T - first, V] of the positions [first, T) only (first: static)."""
-      h, head, _ = hidden(params, moe_state, batch)
-      return jnp.dot(h[:, first:], head.astype(h.dtype), preferred_element_type=jnp.float32)
-
     self._loss_and_stats = runtime_lib.jit(loss_and_stats)
-    self._answer_logits = runtime_lib.jit(answer_logits, static_argnums=3)
+    self._answer_logits = _answer_logits_fn(model)
 
   def validation_batch_size(self, seq_len: int) -> int:
     return max(1, self.cfg.stages.tokens_per_step // seq_len)
@@ -168,13 +219,24 @@ class Evaluator:
       out["passkey_skipped_lengths"] = skipped
     return out
 
+  def mqar(self, params, moe_state, seq_len: int, num_kv_pairs: Optional[int] = None,
+           seed: int = 0) -> float:
+    """MQAR accuracy at seq_len (`evaluate_mqar`) on cfg.eval.mqar_samples rows with
+    num_kv_pairs pairs (default DataConfig.mqar_num_kv_pairs) over the model's vocabulary."""
+    pairs = self.cfg.data.mqar_num_kv_pairs if num_kv_pairs is None else num_kv_pairs
+    return _mqar_accuracy(self._answer_logits, params, moe_state, self.cfg.model.vocab_size,
+                          seq_len, pairs, self.cfg.eval.mqar_samples, seed)
+
   def __call__(self, params, moe_state, train_len: int, seed: int = 0, passkey: bool = True
                ) -> dict:
-    """Validation at train_len, and passkey retrieval at its multiples unless passkey=False."""
+    """Validation at train_len, and unless passkey=False passkey retrieval at its multiples and,
+    for a run on DataConfig.source = 'mqar', MQAR accuracy at train_len (`mqar/<len>`)."""
     out = {"seq_len": int(train_len)}
     out.update(self.validation(params, moe_state, train_len))
     if passkey:
       out.update(self.passkey(params, moe_state, train_len, seed))
+      if self.cfg.data.source == "mqar":
+        out[f"mqar/{int(train_len)}"] = self.mqar(params, moe_state, train_len, seed=seed)
     return out
 
 

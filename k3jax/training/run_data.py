@@ -54,14 +54,15 @@ def make_data(cfg: config_lib.Config) -> Data:
         rngs = [np.random.default_rng([dcfg.seed, _SYNTHETIC_VALIDATION_OFFSET + i])
                 for i in range(num_batches)]
         if dcfg.source == "mqar":
-          return [synthetic.mqar_batch(r, batch_size, seq_len, cfg.model.vocab_size, 8)
-                  for r in rngs]
+          return [synthetic.mqar_batch(r, batch_size, seq_len, cfg.model.vocab_size,
+                                       dcfg.mqar_num_kv_pairs) for r in rngs]
         return [synthetic.passkey_batch(r, batch_size, seq_len, tokenizer) for r in rngs]
 
       def train_iterator(start_step):
         return packing.make_train_iterator(dcfg, scfg.tokens_per_step, seq_len_fn, start_step,
                                            num_steps=scfg.total_steps,
-                                           vocab_size=cfg.model.vocab_size)
+                                           vocab_size=cfg.model.vocab_size,
+                                           mqar_num_kv_pairs=dcfg.mqar_num_kv_pairs)
       if dcfg.source == "passkey":
         _check_vocab(cfg, tokenizer)
       bpt = 1.0 if dcfg.tokenizer == "byte" else float("nan")
