@@ -19,6 +19,8 @@ kernels; `gate_fwd_alone`, `intra_fwd_alone` and `scan_out_fwd` are the kernels 
 alone, whose scan forms the outputs) and the end-to-end timings use the fastest
 (`config.Tuning`); --tuning overrides fields;
 --segments adds the segment-id path. Correctness runs with and without segment ids.
+--gate=softplus times the unbounded gate g = −exp(A_log)·softplus(x + dt_bias) instead of the bounded
+one (k3jax and its Pallas kernels only: their exact diagonal-tile path, which any gate needs).
 
 Run: XLA_PYTHON_CLIENT_PREALLOCATE=false PYTHONPATH=. python experiments/benchmarks/kda_bench.py
 fla's first call autotunes for minutes: give it its own call, or put it first in --impls.
@@ -50,7 +52,7 @@ from pallas_kernels.kda.output import out_fwd  # noqa: E402
 from pallas_kernels.kda.scan import scan_fwd, scan_out_fwd  # noqa: E402
 
 SHAPES = [(8, 4096, 16, 128), (1, 32768, 16, 128), (1, 131072, 16, 128), (2, 8192, 32, 128)]
-LB = -5.0
+LB = -5.0   # the bounded gate's lower bound; None with --gate=softplus (set in `main`)
 
 
 _T0 = time.time()
@@ -402,12 +404,20 @@ def main():
                  help="JSON of config.Tuning fields that replace config.default_tuning's at "
                       "every shape (e.g. '{\"bv_fwd\": 16}', or the 'best' of an earlier "
                       "--stages run)")
+  p.add_argument("--gate", choices=("bounded", "softplus"), default="bounded",
+                 help="the decay gate: bounded (lower bound -5) or the unbounded softplus form")
   a = p.parse_args()
   impls = a.impls.split(",")
+  if a.gate == "softplus":
+    if "fla" in impls or a.stages:
+      raise SystemExit("--gate=softplus: only --impls=pallas,xla without --stages (fla's timed "
+                       "path and the stage sweep are the bounded gate's)")
+    global LB
+    LB = None
   modes = a.modes.split(",")
   shapes = SHAPES if a.shapes == "all" else [tuple(int(t) for t in s.split("x"))
                                              for s in a.shapes.split(",")]
-  emit(kind="env", device=str(jax.devices()[0]), jax=jax.__version__)
+  emit(kind="env", device=str(jax.devices()[0]), jax=jax.__version__, gate=a.gate)
   tuned = {}
   if a.tuning:
     fields = {n: tuple(v) if isinstance(v, list) else v for n, v in json.loads(a.tuning).items()}
