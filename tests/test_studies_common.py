@@ -146,3 +146,93 @@ def test_run_settings_trains_the_unfinished_runs_only(tmp_path):
                                + " --noprogress exited with code 3")
   with pytest.raises(ValueError, match="directory names"):
     common.run_settings("st", [common.Setting("a b")], [0], root, [], run=failing)
+
+
+def test_a_table_of_several_columns_with_values_from_the_runs():
+  records = [_record("a", 0, 30.0), _record("a", 1, 50.0), _record("b", 0, 10.0)]
+  rows = [{"val_loss": 5.0, "tokens": 256}] * 3
+  runs = [{"x": 1.0}, {"x": 3.0}, {"x": None}]
+  columns = [common.Column("val", lambda rec, row, run: row["val_loss"], "the loss."),
+             common.Column("x", lambda rec, row, run: run["x"], "a value of the run.", 1)]
+  body = common.section_body("st", "About.", records, rows, "val_loss", ["g.gin"], "runs",
+                             columns=columns, runs=runs, title="## st: tiny", after="Verdict.",
+                             plots=["st.png", "st_more.png"], entry=common.LOADS_ENTRY)
+  lines = body.splitlines()
+  assert lines[0] == "## st: tiny"
+  assert lines[4] == "| setting | val | x | seeds | tokens | wall time per run | command |"
+  assert lines[5] == "|---|---|---|---|---|---|---|"
+  assert lines[6].startswith("| a | 5.0000 [5.0000, 5.0000] | 2.0 [1.0, 3.0] | 0, 1 | 256 | 40 s "
+                             "| `python experiments/studies/common.py train --gin_file=g.gin ")
+  assert lines[7].startswith("| b | 5.0000 | - | 0 | 256 | 10 s |")
+  assert "val: the loss. x: a value of the run." in lines[9]
+  assert lines[-4:] == ["Verdict.", "", "![st](plots/st.png)", "![st_more](plots/st_more.png)"]
+  with pytest.raises(ValueError, match="metric 'nope'"):
+    common.metric_column("nope")
+
+
+def test_parse_args_and_the_scales():
+  args = common.parse_args([], "doc")
+  assert (args.scale, args.root, args.seeds, args.settings, args.max_steps) == (
+      "tiny", "runs/studies", (0, 1, 2), None, None)
+  assert args.results == common.RESULTS and args.plots == common.PLOTS and args.bindings == []
+  args = common.parse_args(["--scale=small", "--seeds=0,2", "--settings=a,b", "--max_steps=3",
+                            "--bindings=X.y = 1", "--bindings=X.z = 2"], "doc")
+  assert (args.root, args.seeds, args.settings, args.max_steps, args.bindings) == (
+      "runs/studies_small", (0, 2), ["a", "b"], 3, ["X.y = 1", "X.z = 2"])
+  small = common.SCALES["small"]
+  assert small.gin_files == ("gin_configs/small.gin",) and small.suffix == "_small"
+  assert "StagesConfig.stages = ((8192, 300),)" in small.bindings
+  # Every scale's bindings make a valid config with its gin files.
+  for scale in common.SCALES.values():
+    config_lib.from_gin([os.path.join(common.REPO, f) for f in scale.gin_files],
+                        list(scale.bindings))
+
+
+def test_a_setting_with_its_own_seeds(tmp_path):
+  calls = []
+
+  def fake_train(cmd, cwd):
+    calls.append(cmd)
+    _finished_run([arg.split("=", 1)[1] for arg in cmd if arg.startswith("--workdir=")][0])
+    return subprocess.CompletedProcess(cmd, 0)
+
+  settings = [common.Setting("a"), common.Setting("b", (), seeds=(0,))]
+  records = common.run_settings("st", settings, [0, 1], str(tmp_path), ["g.gin"],
+                                log=lambda line: None, run=fake_train, entry=common.LOADS_ENTRY)
+  assert [(r.setting, r.seed) for r in records] == [("a", 0), ("a", 1), ("b", 0)]
+  assert calls[0][1:3] == ["experiments/studies/common.py", "train"]
+
+
+def _loads_run(workdir, loads_by_step):
+  """metrics.jsonl with training records carrying loads of one layer (a step without loads too)."""
+  os.makedirs(workdir, exist_ok=True)
+  with open(os.path.join(workdir, "metrics.jsonl"), "w") as f:
+    f.write(json.dumps({"step": 0, "kind": "eval", "val_loss": 6.0}) + "\n")
+    for step, load in loads_by_step.items():
+      record = {"step": step, "kind": "train", "loss": 5.0}
+      if load is not None:
+        record[common.LOAD_PREFIX + "layer_1/moe"] = load
+        record[common.LOAD_PREFIX + "layer_2/moe"] = [4, 4, 4, 4]
+      f.write(json.dumps(record) + "\n")
+
+
+def test_window_max_vio_and_dead_experts_from_the_logged_loads(tmp_path):
+  workdir = str(tmp_path / "run")
+  _loads_run(workdir, {1: [8, 0, 0, 0], 2: [0, 8, 0, 0], 3: None, 4: [2, 2, 2, 2],
+                       5: [4, 4, 0, 0], 6: [4, 4, 0, 0]})
+  steps, loads = common.step_loads(workdir)
+  assert list(steps) == [1, 2, 4, 5, 6] and list(loads) == ["layer_1/moe", "layer_2/moe"]
+  assert loads["layer_1/moe"].shape == (5, 4)
+  ends, vio = common.window_max_vio(steps, loads, 2)
+  # Steps 1-2 pooled: [8, 8, 0, 0] -> 8 / 4 - 1 = 1 (layer 2: 0), mean 0.5; step 4 alone: 0;
+  # steps 5-6: [8, 8, 0, 0] -> 1, mean 0.5. Window (2, 4] has step 4 only.
+  assert list(ends) == [2, 4, 6] and vio == pytest.approx([0.5, 0.0, 0.5])
+  # Last 2 steps (5, 6): experts 3 and 4 of layer 1 got nothing; layer 2 none dead.
+  assert common.dead_experts(steps, loads, 2) == 2
+  assert common.dead_experts(steps, loads, 3) == 0      # steps 4-6: step 4 fed them all
+  empty = str(tmp_path / "empty")
+  _loads_run(empty, {1: None})
+  steps, loads = common.step_loads(empty)
+  assert len(steps) == 0 and loads == {}
+  assert common.dead_experts(steps, loads, 2) is None
+  assert len(common.window_max_vio(steps, loads, 2)[0]) == 0
