@@ -113,13 +113,18 @@ def describe(study):
            for name, t in by.items()}
   pairs = _pairs(study)
   mults = {seed: multiplier(a, p) for seed, (a, p) in pairs.items()}
-  n = len({rec.seed for rec in study.records})
+  seeds = {name: [rec.seed for rec, _, _ in triples] for name, triples in by.items()}
+  n = "; ".join(f"{name}: seed{'s' * (len(v) != 1)} {', '.join(map(str, v))}"
+                for name, v in seeds.items())
+  if len({len(v) for v in seeds.values()}) > 1:
+    n += ("; the shared CPU's time ran out before the other seeds were trained (re-running "
+          "the launcher trains them)")
   protocol = (
       "**Claim.** Block AttnRes (`ModelConfig.attnres = True`) beats standard PreNorm residuals "
       "(`attnres = False`) at equal compute; the AttnRes paper says it matches a PreNorm "
       "baseline trained with 1.25x the compute.\n\n"
       f"**Protocol.** {study.scale.label}: both residual schemes on the same data, tokens and "
-      "seeds" + (f" ({n} seeds)" if n > 1 else "") + ". Training FLOPs: "
+      "seeds" + (f" ({n})" if study.scale.name == "tiny" else "") + ". Training FLOPs: "
       "`k3jax.model.flops_per_token(model, seq_len)` x tokens (AttnRes's own mixing counted). "
       "Compute multiplier: PreNorm's FLOPs to reach AttnRes's final validation loss (linear "
       "between its evaluations) over AttnRes's total FLOPs, per seed (each seed's pair); '> X' "

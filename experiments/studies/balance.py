@@ -178,6 +178,12 @@ def describe(study):
          "(no device time was left); the runs logged MaxVio every 5 steps and no per-expert "
          "loads, so the global MaxVio and the dead experts are '-'. ")
       + f"Windows of {window(study)} steps; the table reads the last one.")
+  if tiny:
+    done = {rec.setting for rec in study.records}
+    missing = [st.name for st in tiny_settings() if st.name not in done]
+    if missing:
+      protocol += (" Not run: " + ", ".join(missing) + " (the shared CPU's time ran out; "
+                   "re-running the launcher trains them).")
   lines = []
   verdict_parts = []
   groups = sorted({name.rsplit("_e", 1)[1] for name in s}) if tiny else [""]

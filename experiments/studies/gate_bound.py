@@ -69,15 +69,20 @@ def describe(study):
   losses = {name: mean_min_max([row["val_loss"] for _, row, _ in triples])
             for name, triples in by.items()}
   b, u = losses.get("bounded"), losses.get("unbounded")
-  n = len(study.args.seeds) if study.scale.name == "tiny" else 1
+  seeds = {name: [rec.seed for rec, _, _ in triples] for name, triples in by.items()}
+  n = "; ".join(f"{name}: seed{'s' * (len(v) != 1)} {', '.join(map(str, v))}"
+                for name, v in seeds.items())
+  if len({len(v) for v in seeds.values()}) > 1:
+    n += ("; the shared CPU's time ran out before the other seeds were trained (re-running "
+          "the launcher trains them)")
   protocol = (
       "**Claim.** The bounded decay gate g = -5·sigmoid(·) (`ModelConfig.kda_gate_lower_bound = "
       "-5.0`) does not change what the model can express compared with the unbounded -softplus "
       "gate (`kda_gate_lower_bound = None`), and makes the KDA kernel faster.\n\n"
       f"**Protocol.** {study.scale.label}: both gates with the same data, tokens and seeds"
-      + (f" ({n} seeds)" if n > 1 else "") + "; everything else is the base config. Compared: "
-      "the final "
-      "and the best validation loss; the figure overlays the loss curves.")
+      + (f" ({n})" if study.scale.name == "tiny" else "") + "; everything else is the base "
+      "config. Compared: the final and the best validation loss; the figure overlays the loss "
+      "curves.")
   if study.scale.name == "small":
     protocol += "\n\n" + SPEED
   if b is None or u is None or not b.n or not u.n:
