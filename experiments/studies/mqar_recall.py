@@ -82,7 +82,8 @@ one-channel latent (each key and value a sign; no rope key) so that it cannot do
 itself. mla: full softmax attention (NoPE gated MLA, tiny.gin's dims) in both layers, the
 reference. Accuracy: `evaluate_mqar` on the final checkpoint, {EVAL_SAMPLES} fresh rows of
 {SEQ_LEN} tokens per number of pairs (20 is more than the training rows held), the fraction of
-queried values predicted exactly (argmax).
+queried values predicted exactly (argmax). Wall times: the machine's 2 cores were shared with
+other training jobs and two of these runs at a time (a run alone took about 4 minutes).
 """
 
 

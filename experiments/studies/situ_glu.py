@@ -164,23 +164,27 @@ def section(results: list[dict], steps: int, seeds) -> str:
         "`" + shlex.join(cmd).replace("|", "\\|") + "`"]) + " |")
   lines += ["", "Values: mean [min, max] over the seeds (one value: one seed). Final train loss: "
             "the mean of the last 5 logged steps (nats/token; '-' for a diverged run). Tokens: "
-            f"the logged steps times {TOKENS_PER_STEP}. The command trains one seed from the repository's "
+            f"the logged steps times {TOKENS_PER_STEP}. Batches this small differ in entropy (the builtin "
+            "corpus mixes code and prose; every run sees the same batches, and the curves spike at "
+            "the same steps), so the spike count at the lowest learning rate is the noise floor. "
+            "Wall times: the machine's 2 cores were shared with other training jobs. The command trains one seed from the repository's "
             "root, with SEED replaced by it.", "", f"![{STUDY}](plots/{STUDY}.png)", "",
             verdict(results, seeds)]
   return "\n".join(lines)
 
 
 def verdict(results: list[dict], seeds) -> str:
-  """Reproduced when SwiGLU is worse in every respect the runs can show (diverges, or has more
-  spikes, or larger FFN outputs) at some learning rate, and SiTU-GLU never is; not reproduced when
-  the two do not differ or SiTU-GLU is the worse one."""
+  """Reproduced when SwiGLU diverges at a learning rate where SiTU-GLU does not, and SiTU-GLU
+  never does worse; partly when SwiGLU is only worse in magnitude (its FFN outputs over twice
+  SiTU-GLU's, or over 2 more spikes) at some learning rate; not reproduced otherwise."""
   by = {(r["record"].setting.rsplit("_lr", 1)[0], _lr(r["record"].setting)): r for r in results}
   lrs = sorted({lr for _, lr in by})
-  parts, swiglu_worse, situ_worse = [], 0, 0
+  parts, diverged_only_swiglu, larger_swiglu, situ_worse = [], 0, 0, 0
   for lr in lrs:
     s, w = by.get(("situ_glu", lr)), by.get(("swiglu", lr))
     if s is None or w is None:
       continue
+
     def desc(r):
       state = f"diverged at step {r['diverged']}" if r["diverged"] is not None else "finite"
       ffn = "-" if r["ffn_max"] is None else f"{r['ffn_max']:.1f}"
@@ -188,27 +192,29 @@ def verdict(results: list[dict], seeds) -> str:
     parts.append(f"lr {lr:g}: SiTU-GLU {desc(s)}; SwiGLU {desc(w)}")
     s_div, w_div = s["diverged"] is not None, w["diverged"] is not None
     if w_div and not s_div:
-      swiglu_worse += 1
+      diverged_only_swiglu += 1
     elif s_div and not w_div:
       situ_worse += 1
     elif not s_div and not w_div and s["ffn_max"] is not None and w["ffn_max"] is not None:
       if w["ffn_max"] > 2 * s["ffn_max"] or w["spikes"] > s["spikes"] + 2:
-        swiglu_worse += 1
+        larger_swiglu += 1
       elif s["ffn_max"] > 2 * w["ffn_max"] or s["spikes"] > w["spikes"] + 2:
         situ_worse += 1
-  if swiglu_worse and not situ_worse:
+  if diverged_only_swiglu and not situ_worse:
     word = "reproduced"
-  elif swiglu_worse:
+  elif diverged_only_swiglu or larger_swiglu:
     word = "partly reproduced"
   else:
     word = "not reproduced"
   return (f"**Verdict: {word}** at this scale ({len(seeds)} seed{'s' * (len(seeds) > 1)} per "
-          f"point; SwiGLU counted worse at a learning rate when it alone diverges, or its FFN "
-          f"outputs are over twice SiTU-GLU's, or it has over 2 more spikes): SwiGLU worse at "
-          f"{swiglu_worse}, SiTU-GLU worse at {situ_worse} of {len(parts)} learning rates. "
-          + "; ".join(parts) + ". A proper test needs the scale where the write-up saw it "
-          "(wide experts, long training, bf16, no or looser gradient clipping), several seeds, "
-          "and activation statistics logged through training rather than at the end.")
+          f"point, {len(parts)} learning rates): SwiGLU alone diverges at {diverged_only_swiglu}, "
+          f"has FFN outputs over twice SiTU-GLU's (or over 2 more spikes) at {larger_swiglu}, "
+          f"and SiTU-GLU is the worse at {situ_worse}. " + "; ".join(parts) + ". SiTU-GLU "
+          "bounds the GLU's hidden values, not its output projection: its outputs still grow "
+          "with the learning rate. A proper test needs the scale where the write-up saw it "
+          "(wide experts, long training, bf16, no or looser gradient clipping than norm 1), "
+          "several seeds, and activation statistics logged through training rather than at the "
+          "end.")
 
 
 def plot(results: list[dict], path: str) -> str:
@@ -228,11 +234,13 @@ def plot(results: list[dict], path: str) -> str:
   axes[0].set_ylabel("training loss (nats/token)")
   axes[0].set_title("training loss (dashed: SwiGLU)")
   axes[0].legend(fontsize=7)
-  grid = recall.accuracy_grid([(r["record"].setting.rsplit("_lr", 1)[0], r["record"].seed,
-                                _lr(r["record"].setting), r["ffn_max"]) for r in results])
-  for act, by_lr in grid.items():
-    xs = sorted(x for x, s in by_lr.items() if s.n)
-    axes[1].plot(xs, [by_lr[x].mean for x in xs], "o-", label=act)
+  for act in ACTIVATIONS:
+    by_lr: dict = {}
+    for r in results:
+      if r["record"].setting.rsplit("_lr", 1)[0] == act and r["ffn_max"] is not None:
+        by_lr.setdefault(_lr(r["record"].setting), []).append(r["ffn_max"])
+    xs = sorted(by_lr)
+    axes[1].plot(xs, [float(np.mean(by_lr[x])) for x in xs], "o-", label=act)
   axes[1].set_xscale("log")
   axes[1].set_yscale("log")
   axes[1].set_xlabel("peak learning rate")
