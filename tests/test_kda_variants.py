@@ -346,10 +346,11 @@ def test_parameter_and_flop_counts_follow_the_variant():
   assert activations.kda_bytes(m["gla"], "xla", 1)[0] < kda_saved
 
 
-@pytest.mark.parametrize("variant", ["gdn", "gla"])
+@pytest.mark.parametrize("variant", ["gla"])
 def test_training_steps_reduce_the_mqar_loss(variant):
   """A one-layer language model around the variant's KDALayer (embedding, layer, LM head), six
-  Adam steps on one MQAR batch: the loss computes and falls."""
+  Adam steps on one MQAR batch: the loss computes and falls. (gdn is the KDA op with a broadcast
+  decay: its op gradients and decoding are checked above; gla has an op of its own.)"""
   import optax
   cfg = dataclasses.replace(LAYER, kda_variant=variant, vocab_size=64)
   layer = KDALayer(cfg, XLA)

@@ -35,9 +35,12 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TINY = TINY_RUN_BINDINGS + [
     "CheckpointConfig.every_steps = 2",
-    "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = (8,)",
+    "EvalConfig.num_batches = 1", "EvalConfig.passkey_multipliers = ()",
     "EvalConfig.passkey_samples = 2", "EvalConfig.log_every_steps = 1",
 ]
+# The full run and the runs compared with its eval.json also retrieve passkeys at each stage end
+# (at 8x the length); the others skip those programs' compiles (the suite's time).
+PASSKEY = "EvalConfig.passkey_multipliers = (8,)"
 
 
 def tiny_config(*extra: str) -> config_lib.Config:
@@ -53,7 +56,7 @@ def _train_losses(workdir):
 def full_run(tmp_path_factory):
   """An uninterrupted run of both stages."""
   workdir = str(tmp_path_factory.mktemp("full"))
-  result = train_lib.train(tiny_config(), workdir, progress=False)
+  result = train_lib.train(tiny_config(PASSKEY), workdir, progress=False)
   return workdir, result
 
 
@@ -83,7 +86,7 @@ def test_full_run_outputs(full_run):
     assert os.path.getsize(os.path.join(workdir, "plots", name)) > 1000
   assert os.listdir(os.path.join(workdir, "tb"))
   # The saved config rebuilds the run's config exactly.
-  assert config_lib.from_gin([os.path.join(workdir, "config.gin")]) == tiny_config()
+  assert config_lib.from_gin([os.path.join(workdir, "config.gin")]) == tiny_config(PASSKEY)
   # Checkpoints: keep_last=2 (steps 4 and 6) plus both stage ends (3 and 6).
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), tiny_config().checkpoint,
                       read_only=True)
@@ -97,7 +100,7 @@ def test_resume_is_bit_exact(full_run, tmp_path):
   written, resume: the losses equal those of the uninterrupted run exactly."""
   full_dir, _ = full_run
   workdir = str(tmp_path / "resumed")
-  cfg = tiny_config()
+  cfg = tiny_config(PASSKEY)
   first = train_lib.train(cfg, workdir, max_steps=5, progress=False)
   assert not first.finished and first.step == 5
   ckpt_dir = os.path.join(workdir, "checkpoints")
@@ -473,8 +476,8 @@ def _balance_after_one_step(bindings, mesh_axes=""):
 def test_balance_update_is_once_per_step_whatever_the_split(balance):
   """The biases after one step are those of the whole batch at once (1 micro-batch, one device)
   with 8 micro-batches in the 'scan' and the 'host' loop, and on 8-device data:2 x expert:4 (2
-  micro-batches) and data:8 meshes (the histogram default; the others on the scan loop and
-  data:2 x expert:4): the statistics are pooled over the micro-batches and the devices, and the
+  micro-batches) and data:8 meshes (the histogram default; the others on data:2 x expert:4 with
+  its 2 micro-batches): the statistics are pooled over the micro-batches and the devices, and the
   bias is updated once, from all of them."""
   initial, reference = _balance_after_one_step(balance)
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
@@ -493,9 +496,8 @@ def test_balance_update_is_once_per_step_whatever_the_split(balance):
            "data:8": ([], "data:8")}
   if balance != ["ModelConfig.moe_qb_histogram_bins = 1000"]:
     # The loops and meshes pool the statistics the same way for every method: the default checks
-    # all four; the others one loop and one mesh (the suite's time).
-    cases = {name: cases[name] for name in ("8 micro-batches, scan",
-                                            "data:2,expert:4, 2 micro-batches")}
+    # all four; the others the mesh with micro-batches, which pools over both (the suite's time).
+    cases = {name: cases[name] for name in ("data:2,expert:4, 2 micro-batches",)}
   for name, (bindings, mesh_axes) in cases.items():
     _, got = _balance_after_one_step(balance + bindings, mesh_axes)
     assert jax.tree.structure(got) == jax.tree.structure(reference)
@@ -508,15 +510,12 @@ def test_balance_update_is_once_per_step_whatever_the_split(balance):
 def test_microbatch_cadence_chains_the_qb_bias():
   """ModelConfig.moe_qb_cadence = 'microbatch': each micro-batch updates the bias from its own
   tokens and the next routes with it, so 8 micro-batches end elsewhere than the step's one
-  update from all of them; with one micro-batch the two cadences are the same."""
+  update from all of them."""
   chained = ["ModelConfig.moe_qb_cadence = 'microbatch'"]
   flat = lambda tree: np.concatenate([np.ravel(x) for x in jax.tree.leaves(tree)])
   initial, once = _balance_after_one_step(["StagesConfig.microbatch_tokens = 32"])
   _, chain = _balance_after_one_step(chained + ["StagesConfig.microbatch_tokens = 32"])
   assert not np.allclose(flat(chain), flat(initial)) and not np.allclose(flat(chain), flat(once))
-  _, whole_chained = _balance_after_one_step(chained)
-  _, whole = _balance_after_one_step([])
-  np.testing.assert_array_equal(flat(whole_chained), flat(whole))
 
 
 def test_microbatch_tokens_config_errors():
