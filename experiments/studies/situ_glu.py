@@ -207,9 +207,10 @@ def verdict(results: list[dict], seeds) -> str:
   else:
     word = "not reproduced"
   return (f"**Verdict: {word}** at this scale ({len(seeds)} seed{'s' * (len(seeds) > 1)} per "
-          f"point, {len(parts)} learning rates): SwiGLU alone diverges at {diverged_only_swiglu}, "
-          f"has FFN outputs over twice SiTU-GLU's (or over 2 more spikes) at {larger_swiglu}, "
-          f"and SiTU-GLU is the worse at {situ_worse}. " + "; ".join(parts) + ". SiTU-GLU "
+          f"point, {len(parts)} learning rates): of the {len(parts)} learning rates, SwiGLU "
+          f"alone diverges at {diverged_only_swiglu}; at {larger_swiglu} SwiGLU's largest FFN "
+          f"output is over twice SiTU-GLU's (or it has over 2 more spikes); at {situ_worse} "
+          "SiTU-GLU is the worse by that measure. " + "; ".join(parts) + ". SiTU-GLU "
           "bounds the GLU's hidden values, not its output projection: its outputs still grow "
           "with the learning rate. A proper test needs the scale where the write-up saw it "
           "(wide experts, long training, bf16, no or looser gradient clipping than norm 1), "
