@@ -51,7 +51,7 @@ RESULTS = os.path.join(STUDIES_DIR, "RESULTS.md")
 PLOTS = os.path.join(STUDIES_DIR, "plots")
 SEED_BINDINGS = ("Config.seed = {seed}", "DataConfig.seed = {seed}")
 RESULTS_HEADER = ("# Studies\n\nOne section per study, each written by its launcher in this folder "
-                  "(common.py: `run_study`); re-running a launcher replaces its own section only. "
+                  "(through common.py); re-running a launcher replaces its own section only. "
                   "Metrics are the mean [min, max] over the seeds.\n")
 # `python -m k3jax`, and the same CLI run through this file, whose training records also carry
 # each step's per-expert loads (`loads_main`).
