@@ -113,12 +113,7 @@ def describe(study):
            for name, t in by.items()}
   pairs = _pairs(study)
   mults = {seed: multiplier(a, p) for seed, (a, p) in pairs.items()}
-  seeds = {name: [rec.seed for rec, _, _ in triples] for name, triples in by.items()}
-  n = "; ".join(f"{name}: seed{'s' * (len(v) != 1)} {', '.join(map(str, v))}"
-                for name, v in seeds.items())
-  if len({len(v) for v in seeds.values()}) > 1:
-    n += ("; the shared CPU's time ran out before the other seeds were trained (re-running "
-          "the launcher trains them)")
+  n = study.seeds_note()
   protocol = (
       "**Claim.** Block AttnRes (`ModelConfig.attnres = True`) beats standard PreNorm residuals "
       "(`attnres = False`) at equal compute; the AttnRes paper says it matches a PreNorm "

@@ -417,6 +417,18 @@ class Study:
       out.setdefault(triple[0].setting, []).append(triple)
     return out
 
+  def seeds_note(self) -> str:
+    """'name: seeds 0, 1, 2; ...' for the protocol text, saying so when the settings ran
+    different numbers of seeds."""
+    seeds = {name: [rec.seed for rec, _, _ in triples]
+             for name, triples in self.by_setting().items()}
+    note = "; ".join(f"{name}: seed{'s' * (len(v) != 1)} {', '.join(map(str, v))}"
+                     for name, v in seeds.items())
+    if len({len(v) for v in seeds.values()}) > 1:
+      note += ("; the shared CPU's time ran out before the other seeds were trained (re-running "
+               "the launcher trains them)")
+    return note
+
 
 def study_main(study: str, settings: Sequence[Setting], args: argparse.Namespace,
                describe: Callable[[Study], tuple], columns: Optional[Sequence[Column]] = None,

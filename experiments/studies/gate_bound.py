@@ -69,12 +69,7 @@ def describe(study):
   losses = {name: mean_min_max([row["val_loss"] for _, row, _ in triples])
             for name, triples in by.items()}
   b, u = losses.get("bounded"), losses.get("unbounded")
-  seeds = {name: [rec.seed for rec, _, _ in triples] for name, triples in by.items()}
-  n = "; ".join(f"{name}: seed{'s' * (len(v) != 1)} {', '.join(map(str, v))}"
-                for name, v in seeds.items())
-  if len({len(v) for v in seeds.values()}) > 1:
-    n += ("; the shared CPU's time ran out before the other seeds were trained (re-running "
-          "the launcher trains them)")
+  n = study.seeds_note()
   protocol = (
       "**Claim.** The bounded decay gate g = -5·sigmoid(·) (`ModelConfig.kda_gate_lower_bound = "
       "-5.0`) does not change what the model can express compared with the unbounded -softplus "

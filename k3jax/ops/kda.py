@@ -332,6 +332,16 @@ def _load_pallas_chunk_kda():
   return pallas_chunk_kda
 
 
+def _refuse_states_over_slices(name: str, initial_state, output_final_state: bool,
+                               cu_seqlens) -> None:
+  """ValueError for the options a row split over the context axis cannot take (their states
+  belong to one device's whole row)."""
+  if initial_state is not None or output_final_state or cu_seqlens is not None:
+    raise ValueError(f"{name} under context parallelism (a mesh with a context axis) takes "
+                     "neither initial_state, output_final_state nor cu_seqlens: those are for "
+                     "decoding and packed single rows; use segment_ids")
+
+
 def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
               scale: Optional[float] = None, initial_state: Optional[jax.Array] = None,
               output_final_state: bool = False, use_qk_l2norm: bool = False,
@@ -386,10 +396,7 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   if context.context_slices() > 1:
     # The row is split over the mesh's context axis: each slice runs this op on its tokens and
     # the slices pass their states (k3jax.parallel.context).
-    if initial_state is not None or output_final_state or cu_seqlens is not None:
-      raise ValueError("chunk_kda under context parallelism (a mesh with a context axis) takes "
-                       "neither initial_state, output_final_state nor cu_seqlens: those are for "
-                       "decoding and packed single rows; use segment_ids")
+    _refuse_states_over_slices("chunk_kda", initial_state, output_final_state, cu_seqlens)
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                    backend=backend, lower_bound=lower_bound,
                    qkv_zero_at_padding=qkv_zero_at_padding)
@@ -865,10 +872,7 @@ def chunk_gla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, *,
   if context.context_slices() > 1:
     # The state after a slice is affine in the state entering it (S_out = diag(e^G)·S_in + S_ext),
     # so KDA's state passing applies unchanged.
-    if initial_state is not None or output_final_state or cu_seqlens is not None:
-      raise ValueError("chunk_gla under context parallelism (a mesh with a context axis) takes "
-                       "neither initial_state, output_final_state nor cu_seqlens: those are for "
-                       "decoding and packed single rows; use segment_ids")
+    _refuse_states_over_slices("chunk_gla", initial_state, output_final_state, cu_seqlens)
     options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
                    backend=backend, lower_bound=lower_bound,
                    qkv_zero_at_padding=qkv_zero_at_padding)
