@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -332,14 +332,23 @@ def _load_pallas_chunk_kda():
   return pallas_chunk_kda
 
 
-def _refuse_states_over_slices(name: str, initial_state, output_final_state: bool,
-                               cu_seqlens) -> None:
-  """ValueError for the options a row split over the context axis cannot take (their states
-  belong to one device's whole row)."""
+def _chunked_over_slices(name: str, op: Callable, q, k, v, g, beta, *, segment_ids,
+                         initial_state, output_final_state: bool, cu_seqlens, A_log, dt_bias,
+                         **options):
+  """`op` (chunk_kda, or chunk_gla taking a `beta` it ignores) on a row split over the mesh's
+  context axis: each slice runs `op` on its tokens with `options`, and the slices pass their
+  states (`k3jax.parallel.context.kda_over_slices`). Returns (o, None). Raises ValueError for
+  the options it cannot take: their states belong to one device's whole row."""
   if initial_state is not None or output_final_state or cu_seqlens is not None:
     raise ValueError(f"{name} under context parallelism (a mesh with a context axis) takes "
                      "neither initial_state, output_final_state nor cu_seqlens: those are for "
                      "decoding and packed single rows; use segment_ids")
+
+  def one_slice(a_log, dt_b, q, k, v, g, beta, h0, seg):
+    return op(q, k, v, g, beta, initial_state=h0, output_final_state=True, segment_ids=seg,
+              A_log=a_log, dt_bias=dt_b, **options)
+  return context.kda_over_slices(one_slice, q, k, v, g, beta, segment_ids,
+                                 shared=(A_log, dt_bias)), None
 
 
 def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
@@ -396,16 +405,12 @@ def chunk_kda(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.
   if context.context_slices() > 1:
     # The row is split over the mesh's context axis: each slice runs this op on its tokens and
     # the slices pass their states (k3jax.parallel.context).
-    _refuse_states_over_slices("chunk_kda", initial_state, output_final_state, cu_seqlens)
-    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                   backend=backend, lower_bound=lower_bound,
-                   qkv_zero_at_padding=qkv_zero_at_padding)
-
-    def one_slice(a_log, dt_b, q, k, v, g, beta, h0, seg):
-      return chunk_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True,
-                       segment_ids=seg, A_log=a_log, dt_bias=dt_b, **options)
-    return context.kda_over_slices(one_slice, q, k, v, g, beta, segment_ids,
-                                   shared=(A_log, dt_bias)), None
+    return _chunked_over_slices(
+        "chunk_kda", chunk_kda, q, k, v, g, beta, segment_ids=segment_ids,
+        initial_state=initial_state, output_final_state=output_final_state,
+        cu_seqlens=cu_seqlens, A_log=A_log, dt_bias=dt_bias, scale=scale,
+        use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size, backend=backend,
+        lower_bound=lower_bound, qkv_zero_at_padding=qkv_zero_at_padding)
   (q, k, v, g, beta, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
       q, k, v, g, beta, scale, initial_state, cu_seqlens, segment_ids)
   fused = A_log is not None
@@ -872,17 +877,12 @@ def chunk_gla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, *,
   if context.context_slices() > 1:
     # The state after a slice is affine in the state entering it (S_out = diag(e^G)·S_in + S_ext),
     # so KDA's state passing applies unchanged.
-    _refuse_states_over_slices("chunk_gla", initial_state, output_final_state, cu_seqlens)
-    options = dict(scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
-                   backend=backend, lower_bound=lower_bound,
-                   qkv_zero_at_padding=qkv_zero_at_padding)
-
-    def one_slice(a_log, dt_b, q, k, v, g, beta, h0, seg):
-      del beta  # None: GLA has none
-      return chunk_gla(q, k, v, g, initial_state=h0, output_final_state=True, segment_ids=seg,
-                       A_log=a_log, dt_bias=dt_b, **options)
-    return context.kda_over_slices(one_slice, q, k, v, g, None, segment_ids,
-                                   shared=(A_log, dt_bias)), None
+    return _chunked_over_slices(
+        "chunk_gla", lambda q, k, v, g, beta, **kw: chunk_gla(q, k, v, g, **kw),  # beta: None
+        q, k, v, g, None, segment_ids=segment_ids, initial_state=initial_state,
+        output_final_state=output_final_state, cu_seqlens=cu_seqlens, A_log=A_log,
+        dt_bias=dt_bias, scale=scale, use_qk_l2norm=use_qk_l2norm, chunk_size=chunk_size,
+        backend=backend, lower_bound=lower_bound, qkv_zero_at_padding=qkv_zero_at_padding)
   (q, k, v, g, _, initial_state, segment_ids), (B, T, H, K, V, num_seqs) = _prepare(
       q, k, v, g, None, scale, initial_state, cu_seqlens, segment_ids)
   _check_gate(g, A_log, dt_bias, lower_bound)
