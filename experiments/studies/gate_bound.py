@@ -45,14 +45,11 @@ def final_val(record, row, run) -> Optional[float]:
 def last_tokens_per_s(record, row, run) -> Optional[float]:
   """The last training record's tokens_per_s (`k3jax train`'s throughput of its last logged
   steps), from metrics.jsonl."""
-  import json
-  import os
+  from k3jax.training import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
   value = None
-  with open(os.path.join(run.workdir, "metrics.jsonl")) as f:
-    for line in f:
-      r = json.loads(line)
-      if r.get("kind") == "train" and "tokens_per_s" in r:
-        value = r["tokens_per_s"]
+  for r in metrics_lib.read_jsonl(os.path.join(run.workdir, "metrics.jsonl")):
+    if r.get("kind") == "train" and "tokens_per_s" in r:
+      value = r["tokens_per_s"]
   return value
 
 

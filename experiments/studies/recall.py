@@ -24,6 +24,7 @@ import common
 from common import RunRecord, Setting, StudyRunError
 
 from k3jax import compare  # noqa: E402  (common puts this checkout first on sys.path)
+from k3jax.training import metrics as metrics_lib  # noqa: E402
 
 
 def accuracy_grid(results: Sequence[tuple[str, int, int, Optional[float]]]
@@ -78,10 +79,7 @@ def nonfinite_step(output: str) -> Optional[int]:
 def read_records(workdir: str) -> list[dict]:
   """The JSON records of DIR/metrics.jsonl ([] without the file)."""
   path = os.path.join(workdir, "metrics.jsonl")
-  if not os.path.isfile(path):
-    return []
-  with open(path) as f:
-    return [json.loads(line) for line in f if line.strip()]
+  return metrics_lib.read_jsonl(path) if os.path.isfile(path) else []
 
 
 FAILURE_FILE = "failure.json"
