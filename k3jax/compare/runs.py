@@ -108,17 +108,6 @@ def _config(workdir: str) -> config_lib.Config:
                        f"this code: {e}") from e
 
 
-def gin_settings(gin_text: str) -> dict[str, str]:
-  """{'Configurable.field': value text} of a config text as `config.to_gin` writes it (one
-  'Name.field = value' per line; comments and blank lines skipped)."""
-  out = {}
-  for line in gin_text.splitlines():
-    if "=" in line and not line.lstrip().startswith("#"):
-      name, value = line.split("=", 1)
-      out[name.strip()] = value.strip()
-  return out
-
-
 def read_wall_time(workdir: str) -> Optional[float]:
   """The seconds DIR/wall_time.json records (`record_wall_time`), or None without the file."""
   path = os.path.join(workdir, WALL_TIME_FILE)
@@ -169,7 +158,7 @@ def load_run(workdir: str, label: Optional[str] = None) -> Run:
              validation=plots.validation_series(evals),
              last_eval=sorted(scored, key=lambda r: r["step"])[-1] if scored else None,
              moe_layers=names, max_vio_steps=np.array(vio_steps, np.int64), max_vio=vio,
-             config=gin_settings(config_lib.to_gin(cfg)),
+             config=run_dir.gin_settings(config_lib.to_gin(cfg)),
              planned_steps=cfg.stages.total_steps, tokens_per_step=cfg.stages.tokens_per_step,
              wall_s=read_wall_time(workdir))
 

@@ -65,19 +65,23 @@ def read_config(workdir: str, log: Callable[[str], None] = lambda line: print(
   return config_lib.from_gin([], bindings)
 
 
+def gin_settings(gin_text: str) -> dict[str, str]:
+  """{'Configurable.field': value text} of a config text as `config.to_gin` writes it (one
+  'Name.field = value' per line; comments and blank lines skipped)."""
+  out = {}
+  for line in gin_text.splitlines():
+    if "=" in line and not line.lstrip().startswith("#"):
+      name, value = line.split("=", 1)
+      out[name.strip()] = value.strip()
+  return out
+
+
 def config_differences(old_gin: str, new_gin: str, defaults_gin: str = "") -> list[str]:
   """'Configurable.field: old -> new' for every binding that differs between two config.gin texts
-  (as `config.to_gin` writes them: one 'Name.field = value' per line). A field the old text lacks
-  and the new one holds at its value in `defaults_gin` is not a difference: the field is newer
-  than the old text, and its default keeps what the old code computed."""
-  def bindings(text):
-    out = {}
-    for line in text.splitlines():
-      if "=" in line and not line.lstrip().startswith("#"):
-        name, value = line.split("=", 1)
-        out[name.strip()] = value.strip()
-    return out
-  old, new, defaults = bindings(old_gin), bindings(new_gin), bindings(defaults_gin)
+  (as `config.to_gin` writes them, `gin_settings`). A field the old text lacks and the new one
+  holds at its value in `defaults_gin` is not a difference: the field is newer than the old
+  text, and its default keeps what the old code computed."""
+  old, new, defaults = gin_settings(old_gin), gin_settings(new_gin), gin_settings(defaults_gin)
   return [f"{name}: {old.get(name, '(unset)')} -> {new.get(name, '(unset)')}"
           for name in sorted(set(old) | set(new)) if old.get(name) != new.get(name)
           and not (name not in old and name in defaults and new[name] == defaults[name])]
