@@ -534,6 +534,11 @@ class EvalConfig:
   # MQAR accuracy's rows at each stage end of a run whose DataConfig.source is 'mqar'.
   mqar_samples: int = 64
   log_every_steps: int = 5
+  # True: each logged training record of metrics.jsonl (every log_every_steps steps) also carries
+  # 'load/<layer>' for each MoE layer, that step's routed assignments per expert (a list of E
+  # ints, summed over the step's micro-batches and devices; docs/architecture.md §4.6). Refused
+  # with ModelConfig.moe_num_experts = 0 (no MoE layers, no loads).
+  log_expert_loads: bool = False
   # Passkey lengths (train length x multiplier) above this are not run: at the long stages they
   # would cost more than the stage's training steps and say little about a small model.
   passkey_max_len: int = 65536
@@ -550,6 +555,8 @@ class EvalConfig:
            self.mqar_samples)
     _check(self.log_every_steps > 0, "EvalConfig.log_every_steps", "a positive integer",
            self.log_every_steps)
+    _check(isinstance(self.log_expert_loads, bool), "EvalConfig.log_expert_loads",
+           "True or False", self.log_expert_loads)
     _check(isinstance(self.passkey_max_len, int) and not isinstance(self.passkey_max_len, bool)
            and self.passkey_max_len > 0, "EvalConfig.passkey_max_len", "a positive integer",
            self.passkey_max_len)
@@ -620,6 +627,11 @@ class Config:
            "ImplConfig.kda_backend",
            "'auto' or 'xla' when ModelConfig.kda_variant = 'gla' (the Pallas KDA kernels always "
            "apply the delta rule; gated linear attention runs on XLA)", self.impl.kda_backend)
+    # ModelConfig refuses first_k_dense >= num_layers with experts: experts mean MoE layers.
+    _check(not self.eval.log_expert_loads or self.model.moe_num_experts > 0,
+           "EvalConfig.log_expert_loads",
+           "False when ModelConfig.moe_num_experts = 0 (a model without MoE layers has no expert "
+           "loads to log)", self.eval.log_expert_loads)
     return self
 
   def stage_impl(self, stage: int) -> ImplConfig:

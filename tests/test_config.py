@@ -47,10 +47,22 @@ def test_bindings_override_files():
     ("ImplConfig.stage_remat = ('full',)", "ImplConfig.stage_remat"),     # 4 default stages
     ("ImplConfig.stage_remat = ('none', 'full', 'some', 'full')", "ImplConfig.stage_remat"),
     ("ImplConfig.position_chunk_tokens = -1", "ImplConfig.position_chunk_tokens"),
+    ("EvalConfig.log_expert_loads = 1", "EvalConfig.log_expert_loads"),
 ])
 def test_bad_values_name_the_field(binding, field):
   with pytest.raises(config_lib.ConfigError, match=field.replace(".", r"\.")):
     config_lib.from_gin([], [binding])
+
+
+def test_expert_loads_are_refused_without_moe_layers():
+  # Nothing to log: refused at the start rather than a run whose records silently lack the loads.
+  with pytest.raises(config_lib.ConfigError,
+                     match=r"EvalConfig\.log_expert_loads = True is not allowed: False when "
+                           r"ModelConfig\.moe_num_experts = 0 \(a model without MoE layers"):
+    config_lib.from_gin([], ["EvalConfig.log_expert_loads = True",
+                             "ModelConfig.moe_num_experts = 0"])
+  assert config_lib.from_gin([], ["EvalConfig.log_expert_loads = True"]).eval.log_expert_loads
+  assert not config_lib.from_gin([], ["ModelConfig.moe_num_experts = 0"]).eval.log_expert_loads
 
 
 def test_qb_cadence_error_says_what_is_allowed():

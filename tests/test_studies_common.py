@@ -156,13 +156,13 @@ def test_a_table_of_several_columns_with_values_from_the_runs():
              common.Column("x", lambda rec, row, run: run["x"], "a value of the run.", 1)]
   body = common.section_body("st", "About.", records, rows, "val_loss", ["g.gin"], "runs",
                              columns=columns, runs=runs, title="## st: tiny", after="Verdict.",
-                             plots=["st.png", "st_more.png"], entry=common.LOADS_ENTRY)
+                             plots=["st.png", "st_more.png"])
   lines = body.splitlines()
   assert lines[0] == "## st: tiny"
   assert lines[4] == "| setting | val | x | seeds | tokens | wall time per run | command |"
   assert lines[5] == "|---|---|---|---|---|---|---|"
   assert lines[6].startswith("| a | 5.0000 [5.0000, 5.0000] | 2.0 [1.0, 3.0] | 0, 1 | 256 | 40 s "
-                             "| `python experiments/studies/common.py train --gin_file=g.gin ")
+                             "| `python -m k3jax train --gin_file=g.gin ")
   assert lines[7].startswith("| b | 5.0000 | - | 0 | 256 | 10 s |")
   assert "val: the loss. x: a value of the run." in lines[9]
   assert lines[-4:] == ["Verdict.", "", "![st](plots/st.png)", "![st_more](plots/st_more.png)"]
@@ -198,9 +198,9 @@ def test_a_setting_with_its_own_seeds(tmp_path):
 
   settings = [common.Setting("a"), common.Setting("b", (), seeds=(0,))]
   records = common.run_settings("st", settings, [0, 1], str(tmp_path), ["g.gin"],
-                                log=lambda line: None, run=fake_train, entry=common.LOADS_ENTRY)
+                                log=lambda line: None, run=fake_train)
   assert [(r.setting, r.seed) for r in records] == [("a", 0), ("a", 1), ("b", 0)]
-  assert calls[0][1:3] == ["experiments/studies/common.py", "train"]
+  assert calls[0][1:4] == ["-m", "k3jax", "train"]
 
 
 def _loads_run(workdir, loads_by_step):

@@ -41,6 +41,8 @@ TINY = TINY_RUN_BINDINGS + [
 # The full run and the runs compared with its eval.json also retrieve passkeys at each stage end
 # (at 8x the length); the others skip those programs' compiles (the suite's time).
 PASSKEY = "EvalConfig.passkey_multipliers = (8,)"
+# The full run also logs each step's expert loads (host-side only: the same compiled step).
+LOADS = "EvalConfig.log_expert_loads = True"
 
 
 def tiny_config(*extra: str) -> config_lib.Config:
@@ -56,7 +58,7 @@ def _train_losses(workdir):
 def full_run(tmp_path_factory):
   """An uninterrupted run of both stages."""
   workdir = str(tmp_path_factory.mktemp("full"))
-  result = train_lib.train(tiny_config(PASSKEY), workdir, progress=False)
+  result = train_lib.train(tiny_config(PASSKEY, LOADS), workdir, progress=False)
   return workdir, result
 
 
@@ -86,12 +88,38 @@ def test_full_run_outputs(full_run):
     assert os.path.getsize(os.path.join(workdir, "plots", name)) > 1000
   assert os.listdir(os.path.join(workdir, "tb"))
   # The saved config rebuilds the run's config exactly.
-  assert config_lib.from_gin([os.path.join(workdir, "config.gin")]) == tiny_config(PASSKEY)
+  assert config_lib.from_gin([os.path.join(workdir, "config.gin")]) == tiny_config(PASSKEY, LOADS)
   # Checkpoints: keep_last=2 (steps 4 and 6) plus both stage ends (3 and 6).
   ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), tiny_config().checkpoint,
                       read_only=True)
   assert ckpt.all_steps() == [3, 4, 6]
   ckpt.close()
+
+
+@pytest.mark.slow
+def test_logged_expert_loads_count_each_steps_routed_tokens(full_run):
+  """EvalConfig.log_expert_loads: each logged step has 'load/<layer>' for exactly the MoE layers,
+  E integers adding up to that step's valid tokens (segment_ids != 0) × top-k, and agreeing with
+  the step's logged MaxVio."""
+  workdir, _ = full_run
+  cfg = tiny_config(PASSKEY, LOADS)
+  model = cfg.model
+  moe_layers = {f"layer_{i}/moe" for i in range(model.num_layers) if model.layer_uses_moe(i)}
+  assert moe_layers == {"layer_1/moe"}
+  train = [r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+           if r["kind"] == "train"]
+  iterator = make_data(cfg).train_iterator(0)
+  valid = [int((next(iterator)["segment_ids"] != 0).sum()) for _ in range(6)]
+  assert [r["step"] for r in train] == [1, 2, 3, 4, 5, 6]
+  for record in train:
+    loads = {k[len(loop_lib.LOAD_PREFIX):]: v for k, v in record.items()
+             if k.startswith(loop_lib.LOAD_PREFIX)}
+    assert set(loads) == moe_layers, record
+    for name, load in loads.items():
+      assert len(load) == model.moe_num_experts and all(type(x) is int and x >= 0 for x in load)
+      assert sum(load) == valid[record["step"] - 1] * model.moe_top_k
+      np.testing.assert_allclose(max(load) / np.mean(load) - 1, record[f"max_vio/{name}"],
+                                 rtol=1e-5)
 
 
 @pytest.mark.slow
@@ -109,6 +137,9 @@ def test_resume_is_bit_exact(full_run, tmp_path):
   second = train_lib.train(cfg, workdir, progress=False)   # resumes from step 4
   assert second.finished and second.step == 6
   assert _train_losses(workdir) == _train_losses(full_dir)   # exact float equality
+  # Without EvalConfig.log_expert_loads (the full run has it) no record carries loads.
+  records = metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
+  assert not [k for r in records for k in r if k.startswith(loop_lib.LOAD_PREFIX)]
   with open(os.path.join(workdir, "eval.json")) as f, \
       open(os.path.join(full_dir, "eval.json")) as g:
     assert json.load(f)["final"] == json.load(g)["final"]

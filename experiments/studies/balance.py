@@ -6,10 +6,10 @@ bias ('loss_free'), at equal or better loss, and scales to ~900 experts. Setting
 balancing methods (with 'none') at 64 experts top-8 and at 896 experts top-16, the experts
 narrowed (ModelConfig.moe_expert_dim) so that the routed width per token stays 128 as in tiny.gin.
 
-The tiny runs log every step with its per-expert loads (`python experiments/studies/common.py
-train`, the k3jax CLI whose training records also carry 'load/<layer>'), from which the global
-MaxVio over windows and the dead experts are computed; the small-scale (GPU) runs logged MaxVio
-every 5 steps and no loads.
+The tiny runs log every step with its per-expert loads (EvalConfig.log_every_steps = 1 and
+EvalConfig.log_expert_loads = True: each training record of metrics.jsonl carries 'load/<layer>'),
+from which the global MaxVio over windows and the dead experts are computed; the small-scale (GPU)
+runs logged MaxVio every 5 steps and no loads.
 
     python experiments/studies/balance.py [--scale=tiny|small]
 """
@@ -26,8 +26,8 @@ from matplotlib.figure import Figure
 
 # common.py is beside this file (on the path when the file runs as a script, not when imported).
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from common import (ENTRY, LOADS_ENTRY, Column, Setting, dead_experts, mean_min_max, parse_args,
-                    step_loads, study_main, window_max_vio)
+from common import (Column, Setting, dead_experts, mean_min_max, parse_args, step_loads, study_main,
+                    window_max_vio)
 
 STUDY = "balance"
 METHODS = ("quantile", "loss_free", "aux_loss", "none")
@@ -42,7 +42,7 @@ def tiny_settings() -> list:
       out.append(Setting(f"{method}_e{experts}", (
           f"ModelConfig.moe_balance = '{method}'", f"ModelConfig.moe_num_experts = {experts}",
           f"ModelConfig.moe_top_k = {k}", f"ModelConfig.moe_expert_dim = {width}",
-          "EvalConfig.log_every_steps = 1"), seeds))
+          "EvalConfig.log_every_steps = 1", "EvalConfig.log_expert_loads = True"), seeds))
   return out
 
 
@@ -248,7 +248,7 @@ def main(argv: Optional[Sequence[str]] = None) -> str:
     return figures(study)
 
   return study_main(STUDY, tiny_settings() if tiny else SMALL_SETTINGS, args, describe,
-                    columns(lazy), figures_and_bind, entry=LOADS_ENTRY if tiny else ENTRY)
+                    columns(lazy), figures_and_bind)
 
 
 if __name__ == "__main__":

@@ -21,9 +21,10 @@ RESULTS.md in this folder and its figure to plots/<study>.png here (RESULTS, PLO
 Launchers with more than one metric column and a --scale flag use `study_main` instead: SCALES
 names what each scale trains (tiny: the CPU; small: what was run on one H100), `parse_args` the
 flags every launcher takes (--scale, --root, --results, --plots, --max_steps, --seeds,
---settings, --bindings), `Column` a metric computed from a run. `loads_main` (this file run as a
-script) is the k3jax CLI whose training records also carry each step's per-expert loads, from
-which `window_max_vio` and `dead_experts` compute a study's global balance.
+--settings, --bindings), `Column` a metric computed from a run. A run trained with
+EvalConfig.log_expert_loads = True has each logged step's per-expert loads in its metrics.jsonl
+('load/<layer>'); `step_loads` reads them, from which `window_max_vio` and `dead_experts` compute a
+study's global balance.
 """
 
 from __future__ import annotations
@@ -47,17 +48,14 @@ REPO = os.path.dirname(os.path.dirname(STUDIES_DIR))
 # k3jax is installed.
 sys.path.insert(0, REPO)
 from k3jax import compare  # noqa: E402  pylint: disable=wrong-import-position
+# 'load/': the keys of the per-expert loads in a training record (EvalConfig.log_expert_loads).
+from k3jax.training.loop import LOAD_PREFIX  # noqa: E402  pylint: disable=wrong-import-position
 RESULTS = os.path.join(STUDIES_DIR, "RESULTS.md")
 PLOTS = os.path.join(STUDIES_DIR, "plots")
 SEED_BINDINGS = ("Config.seed = {seed}", "DataConfig.seed = {seed}")
 RESULTS_HEADER = ("# Studies\n\nOne section per study, each written by its launcher in this folder "
                   "(through common.py); re-running a launcher replaces its own section only. "
                   "Metrics are the mean [min, max] over the seeds.\n")
-# `python -m k3jax`, and the same CLI run through this file, whose training records also carry
-# each step's per-expert loads (`loads_main`).
-ENTRY = ("-m", "k3jax")
-LOADS_ENTRY = ("experiments/studies/common.py",)
-LOAD_PREFIX = "load/"
 _NAME = re.compile(r"^[\w.-]+$")
 # The numeric values of `k3jax.compare.summary_rows` a study can aggregate over its seeds.
 METRICS = ("val_loss", "best_val_loss", "train_loss", "max_vio", "tokens", "steps", "wall_s")
@@ -92,10 +90,9 @@ class StudyRunError(RuntimeError):
 
 def train_command(gin_files: Sequence[str], bindings: Sequence[str], workdir: str,
                   max_steps: Optional[int] = None, extra_flags: Sequence[str] = (),
-                  python: str = sys.executable, entry: Sequence[str] = ENTRY) -> list[str]:
-  """`python -m k3jax train` with these gin files, bindings and --workdir (no progress bar).
-  entry: what follows `python` (ENTRY, or LOADS_ENTRY for per-step expert loads)."""
-  cmd = [python, *entry, "train", *[f"--gin_file={f}" for f in gin_files],
+                  python: str = sys.executable) -> list[str]:
+  """`python -m k3jax train` with these gin files, bindings and --workdir (no progress bar)."""
+  cmd = [python, "-m", "k3jax", "train", *[f"--gin_file={f}" for f in gin_files],
          *[f"--gin_bindings={b}" for b in bindings], f"--workdir={workdir}", "--noprogress"]
   if max_steps is not None:
     cmd.append(f"--max_steps={max_steps}")
@@ -128,15 +125,13 @@ def is_finished(workdir: str, max_steps: Optional[int] = None) -> bool:
 def run_settings(study: str, settings: Sequence[Setting], seeds: Sequence[int], root: str,
                  gin_files: Sequence[str], max_steps: Optional[int] = None,
                  extra_flags: Sequence[str] = (), log: Callable[[str], None] = print,
-                 run: Callable = subprocess.run, entry: Sequence[str] = ENTRY
-                 ) -> list[RunRecord]:
+                 run: Callable = subprocess.run) -> list[RunRecord]:
   """Trains every setting with every seed (its own seeds where it has them), one run after the
   other, skipping finished runs (`is_finished`); returns one RunRecord per run, settings outer,
   seeds inner. Relative paths (root, gin_files) are relative to the repository's root, where the
   commands run. Raises
   StudyRunError at the first run that fails (the ones before it stay; re-running goes on from
-  there). `run` starts a command (subprocess.run's signature; the tests replace it). entry: as in
-  `train_command`."""
+  there). `run` starts a command (subprocess.run's signature; the tests replace it)."""
   for name in [study] + [s.name for s in settings]:
     if not _NAME.match(name):
       raise ValueError(f"study and setting names must be directory names ([A-Za-z0-9_.-]), got "
@@ -146,7 +141,7 @@ def run_settings(study: str, settings: Sequence[Setting], seeds: Sequence[int], 
     for seed in (seeds if setting.seeds is None else setting.seeds):
       workdir = workdir_of(root, study, setting.name, seed)
       cmd = train_command(gin_files, list(setting.bindings) + seed_bindings(seed), workdir,
-                          max_steps, extra_flags, entry=entry)
+                          max_steps, extra_flags)
       # The command runs in REPO: a relative root is relative to it, wherever the launcher runs.
       workdir = os.path.join(REPO, workdir)
       record = functools.partial(RunRecord, setting.name, tuple(setting.bindings), seed, workdir,
@@ -260,7 +255,7 @@ def section_body(study: str, description: str, records: Sequence[RunRecord],
                  max_steps: Optional[int] = None, extra_flags: Sequence[str] = (), *,
                  columns: Optional[Sequence[Column]] = None, runs: Optional[Sequence] = None,
                  title: Optional[str] = None, after: str = "",
-                 plots: Optional[Sequence[str]] = None, entry: Sequence[str] = ENTRY) -> str:
+                 plots: Optional[Sequence[str]] = None) -> str:
   """The study's section: a title, the description, one table row per setting (each column's
   `mean_min_max` over the seeds, the seeds, tokens, the mean wall time of one run, the command
   with the seed as SEED), `after` (a verdict, notes) and the plots. records, rows (`k3jax.compare
@@ -268,8 +263,7 @@ def section_body(study: str, description: str, records: Sequence[RunRecord],
   them) are in the same order.
 
   columns: the metric columns (default: the one of `metric`, `metric_column`); title: the heading
-  (default '## <study>'); plots: file names in the plots folder (default ['<study>.png']);
-  entry: as in `train_command`."""
+  (default '## <study>'); plots: file names in the plots folder (default ['<study>.png'])."""
   columns = [metric_column(metric)] if columns is None else list(columns)
   runs = [None] * len(records) if runs is None else list(runs)
   plots = [f"{study}.png"] if plots is None else list(plots)
@@ -287,8 +281,7 @@ def section_body(study: str, description: str, records: Sequence[RunRecord],
     walls = mean_min_max([rec.wall_s for rec, _, _ in mine])
     first = mine[0][0]
     cmd = train_command(gin_files, list(first.bindings) + seed_bindings("SEED"),
-                        workdir_of(root, study, name, "SEED"), max_steps, extra_flags, "python",
-                        entry)
+                        workdir_of(root, study, name, "SEED"), max_steps, extra_flags, "python")
     lines.append("| " + " | ".join([
         _cell(name), *values, ", ".join(str(rec.seed) for rec, _, _ in mine),
         " to ".join(f"{t:,}" for t in tokens),
@@ -432,7 +425,7 @@ class Study:
 
 def study_main(study: str, settings: Sequence[Setting], args: argparse.Namespace,
                describe: Callable[[Study], tuple], columns: Optional[Sequence[Column]] = None,
-               figures: Optional[Callable[[Study], dict]] = None, entry: Sequence[str] = ENTRY,
+               figures: Optional[Callable[[Study], dict]] = None,
                log: Callable[[str], None] = print) -> str:
   """A launcher's body: trains the settings at args.scale (its bindings before each setting's;
   settings with seeds of their own keep them, cut to args.seeds; args.bindings after each
@@ -449,7 +442,7 @@ def study_main(study: str, settings: Sequence[Setting], args: argparse.Namespace
                     None if s.seeds is None else tuple(x for x in s.seeds if x in args.seeds))
             for s in chosen]
   records = run_settings(study, chosen, args.seeds, args.root, scale.gin_files, args.max_steps,
-                         log=log, entry=entry)
+                         log=log)
   runs = compare.load_runs([r.workdir for r in records], _labels(records))
   section = study + scale.suffix
   result = Study(records, runs, compare.summary_rows(runs), scale, section, args)
@@ -460,41 +453,20 @@ def study_main(study: str, settings: Sequence[Setting], args: argparse.Namespace
   description, after = describe(result)
   body = section_body(study, description, records, result.rows, "val_loss", scale.gin_files,
                       args.root, args.max_steps, columns=columns, runs=runs,
-                      title=f"## {study}: {scale.label}", after=after, plots=list(figs),
-                      entry=entry)
+                      title=f"## {study}: {scale.label}", after=after, plots=list(figs))
   write_section(section, body, args.results)
   return body
 
 
 # ------------------------------------------------------------------------------------------------
-# Per-step expert loads: `python experiments/studies/common.py train ...` is `python -m k3jax
-# train ...` whose logged training records also carry each MoE layer's load of that step
-# ('load/<layer>': the routed assignments per expert, a list of integers). With
-# EvalConfig.log_every_steps = 1 every step is logged.
-
-
-def loads_main(argv: Optional[Sequence[str]] = None) -> None:
-  """The k3jax CLI (`k3jax.cli.main`) with the loads added to each training record (the
-  training loop's `_train_record`, wrapped)."""
-  from k3jax import cli  # pylint: disable=import-outside-toplevel
-  from k3jax.model.stats import moe_stats_by_layer  # pylint: disable=import-outside-toplevel
-  from k3jax.training import loop  # pylint: disable=import-outside-toplevel
-  original = loop._train_record  # pylint: disable=protected-access
-
-  def train_record(stage, seq_len, batch_size, m, *rest):
-    record = original(stage, seq_len, batch_size, m, *rest)
-    for name, layer in moe_stats_by_layer(m["moe_stats"]).items():
-      if "load" in layer:
-        record[LOAD_PREFIX + name] = [int(round(float(x))) for x in layer["load"]]
-    return record
-
-  loop._train_record = train_record  # pylint: disable=protected-access
-  cli.main(["k3jax"] + list(sys.argv[1:] if argv is None else argv))
+# Per-step expert loads: a run trained with EvalConfig.log_expert_loads = True has, in each logged
+# training record, each MoE layer's load of that step ('load/<layer>': the routed assignments per
+# expert, a list of integers). With EvalConfig.log_every_steps = 1 every step is logged.
 
 
 def step_loads(workdir: str) -> tuple:
   """(steps [n] int, {layer: loads [n, E] float64}) of the training records of the run's
-  metrics.jsonl that carry loads (`loads_main`), ascending; empty without any."""
+  metrics.jsonl that carry loads (EvalConfig.log_expert_loads), ascending; empty without any."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   from k3jax.training import metrics as metrics_lib  # pylint: disable=import-outside-toplevel
   records = sorted((r for r in metrics_lib.read_jsonl(os.path.join(workdir, "metrics.jsonl"))
@@ -510,8 +482,8 @@ def step_loads(workdir: str) -> tuple:
 def window_max_vio(steps, loads: dict, window: int) -> tuple:
   """Global MaxVio over windows of `window` steps: for the steps (k·window, (k+1)·window], the
   loads of the logged steps in it summed per expert, max / mean − 1 per layer, then the mean over
-  the layers. Returns (window end steps [w], MaxVio [w]); windows without a logged step are left
-  out."""
+  the layers. steps, loads: `step_loads` of a run (EvalConfig.log_expert_loads). Returns (window
+  end steps [w], MaxVio [w]); windows without a logged step are left out."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   steps = np.asarray(steps)
   if not len(steps) or not loads:
@@ -533,14 +505,11 @@ def window_max_vio(steps, loads: dict, window: int) -> tuple:
 
 def dead_experts(steps, loads: dict, window: int) -> Optional[int]:
   """Experts (summed over the layers) with no token routed to them in any logged step of the last
-  `window` steps (steps > last − window); None without loads."""
+  `window` steps (steps > last − window); None without loads. steps, loads: `step_loads` of a
+  run (EvalConfig.log_expert_loads)."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   steps = np.asarray(steps)
   if not len(steps) or not loads:
     return None
   inside = steps > steps.max() - window
   return int(sum(int((load[inside].sum(axis=0) == 0).sum()) for load in loads.values()))
-
-
-if __name__ == "__main__":
-  loads_main()

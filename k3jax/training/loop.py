@@ -49,6 +49,11 @@ from k3jax.training.state import TrainState, init_train_state, placed_train_stat
 from k3jax.training.step import make_train_step
 
 
+# The key prefix of each MoE layer's per-expert loads in a training record
+# (EvalConfig.log_expert_loads): 'load/<layer>', e.g. 'load/layer_2/moe'.
+LOAD_PREFIX = "load/"
+
+
 class NonFiniteLossError(RuntimeError):
   """The loss or gradient norm of a step was NaN/inf; nothing of that step was saved."""
 
@@ -243,7 +248,8 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, meshes
           rate = throughput.tick()
           writer.write(step, "train", _train_record(
               stage, seq_len, scfg.batch_size(stage), m, rate,
-              metrics_lib.mfu(stage_flops[seq_len], rate, peak * devices[stage])))
+              metrics_lib.mfu(stage_flops[seq_len], rate, peak * devices[stage]),
+              loads=cfg.eval.log_expert_loads))
         bar.update(step, float(m["loss"]), stage, seq_len)
         if at_end or step % cfg.checkpoint.every_steps == 0:
           save(step)
@@ -556,18 +562,29 @@ class StopSignal:
     return False
 
 
-def _train_record(stage, seq_len, batch_size, m, tokens_per_s, mfu) -> dict:
+def _train_record(stage, seq_len, batch_size, m, tokens_per_s, mfu, *,
+                  loads: bool = False) -> dict:
+  """A logged step's record for metrics.jsonl: the losses, lr, gradient norm, throughput, MFU,
+  each MoE layer's MaxVio ('max_vio/<layer>') and their mean; with `loads`
+  (EvalConfig.log_expert_loads) also each MoE layer's routed assignments per expert
+  ('load/<layer>': E ints)."""
   record = {"stage": stage, "seq_len": seq_len, "batch_size": batch_size,
             "loss": float(m["loss"]), "total_loss": float(m["total_loss"]),
             "aux_loss": float(m["aux_loss"]), "lr": float(m["lr"]),
             "grad_norm": float(m["grad_norm"]), "tokens_per_s": tokens_per_s, "mfu": mfu}
   vios = []
-  for name, layer in moe_stats_by_layer(m["moe_stats"]).items():
+  layers = moe_stats_by_layer(m["moe_stats"])
+  for name, layer in layers.items():
     if "max_vio" in layer:
       record[f"max_vio/{name}"] = float(layer["max_vio"])
       vios.append(float(layer["max_vio"]))
   if vios:
     record["max_vio_mean"] = float(np.mean(vios))
+  if loads:
+    # Integer-valued counts in fp32 (exact below 2**24 assignments an expert).
+    for name, layer in layers.items():
+      if "load" in layer:
+        record[f"{LOAD_PREFIX}{name}"] = [int(round(float(x))) for x in layer["load"]]
   return record
 
 
