@@ -46,9 +46,8 @@ def tiny_settings() -> list:
   return out
 
 
-# small.gin (32 experts top-4) as run on the GPU; 'none' was not run there.
-SMALL_SETTINGS = [Setting(m, (f"ModelConfig.moe_balance = '{m}'",))
-                  for m in ("quantile", "loss_free", "aux_loss")]
+# small.gin (32 experts top-4) as run on the GPU.
+SMALL_SETTINGS = [Setting(m, (f"ModelConfig.moe_balance = '{m}'",)) for m in METHODS]
 
 
 def window(study) -> int:
@@ -174,9 +173,9 @@ def describe(study):
       + ("the four balancing methods at 64 experts top-8 (`moe_expert_dim = 16`) and at 896 "
          "experts top-16 (`moe_expert_dim = 8`), the routed width per token 128 in both; every "
          f"step logged with its per-expert loads; {seeds}. "
-         if tiny else "small.gin's 32 experts top-4, 300 steps; 'none' was not run on the GPU "
-         "(no device time was left); the runs logged MaxVio every 5 steps and no per-expert "
-         "loads, so the global MaxVio and the dead experts are '-'. ")
+         if tiny else "small.gin's 32 experts top-4, the four balancing methods, 300 steps; the "
+         "runs logged MaxVio every 5 steps and no per-expert loads, so the global MaxVio and "
+         "the dead experts are '-'. ")
       + f"Windows of {window(study)} steps; the table reads the last one.")
   if tiny:
     fewer = [f"{experts} experts" for experts, _, _, declared in SIZES
