@@ -54,7 +54,7 @@ def test_chunk_kda_gradient_that_crashed_xla_cpu():
   whole session; the gradient must match the recurrent reference."""
   script = textwrap.dedent("""
       import jax, jax.numpy as jnp, numpy as np
-      from k3jax.ops import kda
+      from k3jax.ops import kda, kda_inputs
       rng = np.random.default_rng(0)
       B, T, H, D = 8, 32, 2, 32
       q, k, v = (jnp.asarray(rng.standard_normal((B, T, H, D)), jnp.float32) for _ in range(3))
@@ -64,8 +64,8 @@ def test_chunk_kda_gradient_that_crashed_xla_cpu():
         o, _ = fn(*args)
         return jnp.sum(o * o)
       chunk = lambda *a: kda.chunk_kda(*a, chunk_size=32, use_qk_l2norm=True, backend="xla")
-      ref = lambda q, k, v, g, b: kda.recurrent_kda(kda.l2_normalize(q), kda.l2_normalize(k),
-                                                   v, g, b)
+      ref = lambda q, k, v, g, b: kda.recurrent_kda(kda_inputs.l2_normalize(q),
+                                                   kda_inputs.l2_normalize(k), v, g, b)
       from k3jax.runtime import compiler
       ga = compiler.jit(jax.grad(lambda *a: loss(chunk, *a), argnums=(0, 1, 2, 3, 4)))(
           q, k, v, g, beta)

@@ -22,7 +22,7 @@ from k3jax.data import synthetic
 from k3jax.layers.kda import KDALayer
 from k3jax.model import flops as flops_lib
 from k3jax.model.params import count_params
-from k3jax.ops import kda
+from k3jax.ops import kda, kda_inputs, kda_variants
 from k3jax.plan import activations
 from k3jax.training import evaluation
 from testlib import error_ratio
@@ -112,9 +112,10 @@ GLA_NAMES = ("q", "k", "v", "x_chan", "h0", "a_log", "dt_chan")
 
 def gdn_chunked(backend):
   def fn(q, k, v, x_head, beta, h0, a_log, dt_head):
-    return kda.chunk_gdn(q, k, v, x_head, beta, A_log=a_log, dt_bias=dt_head, lower_bound=-5.0,
-                         use_qk_l2norm=True, initial_state=h0, output_final_state=True,
-                         segment_ids=SEG, chunk_size=16, backend=backend)
+    return kda_variants.chunk_gdn(q, k, v, x_head, beta, A_log=a_log, dt_bias=dt_head,
+                                  lower_bound=-5.0, use_qk_l2norm=True, initial_state=h0,
+                                  output_final_state=True, segment_ids=SEG, chunk_size=16,
+                                  backend=backend)
   return fn
 
 
@@ -124,9 +125,9 @@ def gdn_naive(q, k, v, x_head, beta, h0, a_log, dt_head):
 
 
 def gla_chunked(q, k, v, x_chan, h0, a_log, dt_chan):
-  return kda.chunk_gla(q, k, v, x_chan, A_log=a_log, dt_bias=dt_chan, lower_bound=-5.0,
-                       use_qk_l2norm=True, initial_state=h0, output_final_state=True,
-                       segment_ids=SEG, chunk_size=16)
+  return kda_variants.chunk_gla(q, k, v, x_chan, A_log=a_log, dt_bias=dt_chan, lower_bound=-5.0,
+                                use_qk_l2norm=True, initial_state=h0, output_final_state=True,
+                                segment_ids=SEG, chunk_size=16)
 
 
 def gla_naive(q, k, v, x_chan, h0, a_log, dt_chan):
@@ -148,9 +149,10 @@ def test_gla_equals_the_loop_with_its_gradients():
   want = _loss_grads(gla_naive, d, GLA_NAMES)
   _check(_loss_grads(gla_chunked, d, GLA_NAMES), want)
   # The recurrence that decoding steps (q, k normalised and the gate formed by the caller).
-  g = kda.kda_gate(d["x_chan"], d["a_log"], d["dt_chan"], lower_bound=-5.0)
-  o, ht = kda.recurrent_gla(_normed(d["q"]), _normed(d["k"]), d["v"], g, initial_state=d["h0"],
-                            output_final_state=True, segment_ids=SEG)
+  g = kda_inputs.kda_gate(d["x_chan"], d["a_log"], d["dt_chan"], lower_bound=-5.0)
+  o, ht = kda_variants.recurrent_gla(_normed(d["q"]), _normed(d["k"]), d["v"], g,
+                                     initial_state=d["h0"], output_final_state=True,
+                                     segment_ids=SEG)
   _check({"o": o, "ht": ht}, {"o": want["o"], "ht": want["ht"]})
 
 
@@ -161,8 +163,8 @@ def test_gla_is_exact_for_decays_far_below_the_bound():
   g = -50.0 * rng.random((B, T, H, K)).astype(np.float32)
   g = jnp.asarray(np.where(rng.random(g.shape) < 0.25, g / 1000.0, g))
   q, k = _normed(d["q"]), _normed(d["k"])
-  o, ht = kda.chunk_gla(q, k, d["v"], g, initial_state=d["h0"], output_final_state=True,
-                        segment_ids=SEG, chunk_size=32)
+  o, ht = kda_variants.chunk_gla(q, k, d["v"], g, initial_state=d["h0"], output_final_state=True,
+                                 segment_ids=SEG, chunk_size=32)
   o_ref, ht_ref = naive(q, k, d["v"], jnp.exp(g), None, d["h0"], SEG, K ** -0.5)
   _check({"o": o, "ht": ht}, {"o": o_ref, "ht": ht_ref})
 
@@ -172,11 +174,11 @@ def test_gla_packed_sequences_equal_the_recurrence():
   d = _inputs(4)
   cu = np.array([0, 7, 30, 30, 40])       # an empty third sequence
   h0 = jnp.concatenate([d["h0"], d["h0"]])
-  g = kda.kda_gate(d["x_chan"][:1], d["a_log"], d["dt_chan"], lower_bound=-5.0)
+  g = kda_inputs.kda_gate(d["x_chan"][:1], d["a_log"], d["dt_chan"], lower_bound=-5.0)
   args = (_normed(d["q"][:1]), _normed(d["k"][:1]), d["v"][:1], g)
-  got = kda.chunk_gla(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu,
-                      chunk_size=16)
-  want = kda.recurrent_gla(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu)
+  got = kda_variants.chunk_gla(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu,
+                               chunk_size=16)
+  want = kda_variants.recurrent_gla(*args, initial_state=h0, output_final_state=True, cu_seqlens=cu)
   _check({"o": got[0], "ht": got[1]}, {"o": want[0], "ht": want[1]})
   assert np.array_equal(got[1][2], h0[2])   # the empty sequence keeps its initial state
 
@@ -200,8 +202,8 @@ def test_gla_over_context_slices_equals_one_device():
 
   def fn(q, k, v, x_chan, a_log, dt_chan):
     def loss(q, k, v, x_chan, a_log, dt_chan):
-      o, _ = kda.chunk_gla(q, k, v, x_chan, A_log=a_log, dt_bias=dt_chan, lower_bound=-5.0,
-                           use_qk_l2norm=True, segment_ids=seg, chunk_size=16)
+      o, _ = kda_variants.chunk_gla(q, k, v, x_chan, A_log=a_log, dt_bias=dt_chan, lower_bound=-5.0,
+                                    use_qk_l2norm=True, segment_ids=seg, chunk_size=16)
       return jnp.sum(o * d["w"])
     return jax.value_and_grad(loss, argnums=tuple(range(6)))(q, k, v, x_chan, a_log, dt_chan)
 
@@ -220,15 +222,15 @@ def test_op_arguments_are_checked():
   d = _inputs(7)
   q, k, v = d["q"], d["k"], d["v"]
   with pytest.raises(ValueError, match="backend='pallas' is not available"):
-    kda.chunk_gla(q, k, v, d["x_chan"], backend="pallas")
+    kda_variants.chunk_gla(q, k, v, d["x_chan"], backend="pallas")
   with pytest.raises(ValueError, match=r"g must have shape \[B,T,H\]"):
-    kda.chunk_gdn(q, k, v, d["x_chan"], d["beta"])
+    kda_variants.chunk_gdn(q, k, v, d["x_chan"], d["beta"])
   with pytest.raises(ValueError, match=r"dt_bias must have shape \[H\]"):
-    kda.chunk_gdn(q, k, v, d["x_head"], d["beta"], A_log=d["a_log"], dt_bias=d["dt_chan"])
+    kda_variants.chunk_gdn(q, k, v, d["x_head"], d["beta"], A_log=d["a_log"], dt_bias=d["dt_chan"])
   with pytest.raises(ValueError, match="beta is required"):
     kda.chunk_kda(q, k, v, d["x_chan"], None)
   with pytest.raises(ValueError, match="log decay <= 0"):
-    kda.chunk_gla(q, k, v, jnp.abs(d["x_chan"]))
+    kda_variants.chunk_gla(q, k, v, jnp.abs(d["x_chan"]))
 
 
 # ------------------------------------------------------------------------------------------------

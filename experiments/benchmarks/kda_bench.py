@@ -43,6 +43,7 @@ import numpy as np  # noqa: E402
 
 from k3jax.model.flops import kda_chunk_flops  # noqa: E402
 from k3jax.ops import kda as kda_ops  # noqa: E402
+from k3jax.ops import kda_inputs  # noqa: E402
 from pallas_kernels.kda import chunk_kda as pallas_chunk_kda  # noqa: E402
 from pallas_kernels.kda.backward import dense_bwd, intra_bwd, scan_bwd  # noqa: E402
 from pallas_kernels.kda.config import KernelConfig, Tuning, default_tuning  # noqa: E402
@@ -89,7 +90,7 @@ def jax_fns(impl, tuning=None, segment_ids=None):
                               lower_bound=LB, tuning=tuning, segment_ids=segment_ids)[0]
   else:
     def fwd(q, k, v, graw, beta, a_log, dt):
-      g = kda_ops.kda_gate(graw, a_log, dt, lower_bound=LB)
+      g = kda_inputs.kda_gate(graw, a_log, dt, lower_bound=LB)
       return kda_ops.chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, backend="xla")[0]
 
   def fwdbwd(q, k, v, graw, beta, a_log, dt, do):
@@ -148,9 +149,10 @@ def correctness(B=2, T=1000, H=4, D=128, with_fla=True, tuning=None, segments=Fa
   names = ["q", "k", "v", "graw", "beta", "A_log", "dt_bias", "h0"]
 
   def ref_loss(q, k, v, graw, beta, a_log, dt, h0):
-    g = kda_ops.kda_gate(graw, a_log, dt, lower_bound=LB)
-    o, ht = kda_ops.recurrent_kda(kda_ops.l2_normalize(q), kda_ops.l2_normalize(k), v, g, beta,
-                                  initial_state=h0, output_final_state=True, segment_ids=seg)
+    g = kda_inputs.kda_gate(graw, a_log, dt, lower_bound=LB)
+    o, ht = kda_ops.recurrent_kda(kda_inputs.l2_normalize(q), kda_inputs.l2_normalize(k), v, g,
+                                  beta, initial_state=h0, output_final_state=True,
+                                  segment_ids=seg)
     return jnp.sum(o * x["do"]) + jnp.sum(ht * dht), (o, ht)
 
   def pal_loss(q, k, v, graw, beta, a_log, dt, h0):

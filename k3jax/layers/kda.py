@@ -39,8 +39,9 @@ import jax.numpy as jnp
 from k3jax.config import KDA_VARIANTS, ImplConfig, ModelConfig
 from k3jax.layers.common import config_weight, gated_rms_norm, logical_param, to_dtype
 from k3jax.layers.conv import ShortConv
-from k3jax.ops.kda import (chunk_gdn, chunk_gla, chunk_kda, gdn_gate, kda_gate, l2_normalize,
-                           recurrent_gdn, recurrent_gla, recurrent_kda)
+from k3jax.ops.kda import chunk_kda, recurrent_kda
+from k3jax.ops.kda_inputs import kda_gate, l2_normalize
+from k3jax.ops.kda_variants import chunk_gdn, chunk_gla, gdn_gate, recurrent_gdn, recurrent_gla
 
 DT_MIN, DT_MAX, DT_FLOOR = 1e-3, 1e-1, 1e-4
 

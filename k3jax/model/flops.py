@@ -90,8 +90,8 @@ def kda_chunk_flops(batch: int, seq_len: int, heads: int, head_dim: int, chunk_s
 
 def gla_chunk_flops(batch: int, seq_len: int, heads: int, head_dim: int, chunk_size: int = 64,
                     value_dim: int | None = None) -> float:
-  """Forward FLOPs of chunked gated linear attention (`k3jax.ops.kda.chunk_gla`) on
-  [batch, seq_len, heads, head_dim] inputs: per token and head 4·K·V + C·(K + V) (module
+  """Forward FLOPs of chunked gated linear attention (`k3jax.ops.kda_variants.chunk_gla`)
+  on [batch, seq_len, heads, head_dim] inputs: per token and head 4·K·V + C·(K + V) (module
   docstring), K = head_dim, V = value_dim (None: head_dim), C = chunk_size."""
   # Validated by kda_chunk_flops, whose count this one shares its conventions with.
   kda_chunk_flops(batch, seq_len, heads, head_dim, chunk_size, value_dim)

@@ -21,7 +21,7 @@ Three ops read other slices' tokens, and run here inside one `jax.shard_map` ove
   of the gradients of (M, S_ext), and the kernels' backward takes the gradient of their final
   state. Communication: one gather of C·B·H·K·(K+V) fp32 numbers per layer and direction. The
   same holds for every `ModelConfig.kda_variant`: Gated DeltaNet is the KDA op, and gated linear
-  attention (`k3jax.ops.kda.chunk_gla`, no β) has S_out = diag(e^G)·S_in + S_ext.
+  attention (`k3jax.ops.kda_variants.chunk_gla`, no β) has S_out = diag(e^G)·S_in + S_ext.
 - `mla_attention_over_slices`: each slice all-gathers the compressed latent of the whole row
   (kv_lora_rank + rope dims per token), not the expanded keys and values, expands it locally and
   attends its queries to every earlier key of their document. The latent's gradient is
@@ -130,8 +130,8 @@ def kda_over_slices(chunk_kda: Callable, q: jax.Array, k: jax.Array, v: jax.Arra
   """Chunked KDA over the current mesh's context slices (module docstring).
 
   chunk_kda(*shared, q, k, v, g, beta, initial_state, segment_ids) -> (o, final_state): the
-    single-device op (`k3jax.ops.kda.chunk_kda` or `chunk_gla` with its options bound), run on
-    each slice.
+    single-device op (`k3jax.ops.kda.chunk_kda` or `k3jax.ops.kda_variants.chunk_gla` with its
+    options bound), run on each slice.
   q, k, g: [B, T, H, K]; v: [B, T, H, V]; beta: [B, T, H], or None for gated linear attention;
   segment_ids [B, T] int or None.
   shared: arrays every slice uses whole (the fused gate's A_log and dt_bias).

@@ -17,8 +17,8 @@ H heads, K and V head dims, C the KDA chunk, m a GLU's width.
     states (a·HKV/C); o (a·HV), the output gate (a·(HV + r)), the gated norm's r (f·H) and the
     gated output (a·HV). Under context parallelism the kernel runs with K extra value columns (the
     slice's transition, `k3jax/parallel/context.py`): V → V + K where the kernel sees V.
-  KDA (XLA, CPU): the fp32 chunked algorithm of `k3jax/ops/kda.py`, dominated by the decays of
-    its 16-token sub-tiles (16·K a token and head).
+  KDA (XLA, CPU): the fp32 chunked algorithm of `k3jax/ops/kda_chunk_xla.py`, dominated by the
+    decays of its 16-token sub-tiles (16·K a token and head).
   KDA variants (ModelConfig.kda_variant): 'gdn' has a gate pre-activation of a·(r + H) and the
     KDA kernels' residuals (its decay is broadcast over K before them); 'gla' has no β and always
     runs the XLA path (`resolve_kernels`), which keeps no key-key matrix, inverse or WY factors.
@@ -138,9 +138,9 @@ def kda_bytes(cfg: config_lib.ModelConfig, kda: str, context: int) -> tuple[floa
 
 
 def xla_kda_bytes(cfg: config_lib.ModelConfig) -> float:
-  """`k3jax.ops.kda._chunk_kda_xla`'s fp32 residuals per token: the intra-chunk decays of its
-  16-token sub-tiles (16·K and their keys per head), the chunk matrices and the WY factors
-  (kda_variant 'gla': the query-key scores alone, no WY factors)."""
+  """`k3jax.ops.kda_chunk_xla._chunk_kda_xla`'s fp32 residuals per token: the intra-chunk
+  decays of its 16-token sub-tiles (16·K and their keys per head), the chunk matrices and the WY
+  factors (kda_variant 'gla': the query-key scores alone, no WY factors)."""
   h, k, v, c = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_value_dim, cfg.kda_chunk_size
   s = XLA_KDA_SUBTILE
   tiles = c // s

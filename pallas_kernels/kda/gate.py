@@ -40,7 +40,7 @@ from pallas_kernels.kda.common import (_block, _check_seg, _doc_masks, _f32, _ga
                                        _vec_spec)
 from pallas_kernels.kda.config import KernelConfig
 
-L2NORM_EPS = 1e-6  # q/k L2 norm: x (Σ x² + eps)^{-1/2}, as k3jax.ops.kda.l2_normalize
+L2NORM_EPS = 1e-6  # q/k L2 norm: x (Σ x² + eps)^{-1/2}, as k3jax.ops.kda_inputs.l2_normalize
 
 
 def _activate_gate(cfg, graw, a_log, dt):

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops import kda
+from k3jax.ops import kda, kda_chunk_xla, kda_inputs
 from testlib import error_ratio
 
 GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
@@ -18,8 +18,8 @@ GRAD_NAMES = ("q", "k", "v", "g", "beta", "initial_state")
 def make_inputs(seed, B, T, H, K, V, gate="logsigmoid", n_states=None):
   """fla's recipe: normalised q, k; log-sigmoid gates; sigmoid beta; random initial state."""
   rng = np.random.default_rng(seed)
-  q = kda.l2_normalize(rng.standard_normal((B, T, H, K)).astype(np.float32))
-  k = kda.l2_normalize(rng.standard_normal((B, T, H, K)).astype(np.float32))
+  q = kda_inputs.l2_normalize(rng.standard_normal((B, T, H, K)).astype(np.float32))
+  k = kda_inputs.l2_normalize(rng.standard_normal((B, T, H, K)).astype(np.float32))
   v = jnp.asarray(rng.standard_normal((B, T, H, V)).astype(np.float32))
   if gate == "logsigmoid":
     g = jax.nn.log_sigmoid(jnp.asarray(rng.standard_normal((B, T, H, K)).astype(np.float32)))
@@ -75,13 +75,14 @@ def test_gate_bounded_matches_closed_form():
   x = rng.standard_normal((2, 5, 3, 4)).astype(np.float32) * 3
   a_log = rng.standard_normal(3).astype(np.float32)
   dt_bias = rng.standard_normal(12).astype(np.float32)
-  g = kda.kda_gate(x, a_log, dt_bias, lower_bound=-4.0)
+  g = kda_inputs.kda_gate(x, a_log, dt_bias, lower_bound=-4.0)
   want = -4.0 * _np_sigmoid(np.exp(a_log)[:, None] * (x + dt_bias.reshape(3, 4)))
   assert g.dtype == jnp.float32
   np.testing.assert_allclose(g, want, rtol=1e-6, atol=1e-6)
   assert float(g.min()) > -4.0 and float(g.max()) < 0.0
   # A_log None means rate 1; dt_bias None means zero bias.
-  np.testing.assert_allclose(kda.kda_gate(x, None), -5.0 * _np_sigmoid(x), rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(kda_inputs.kda_gate(x, None), -5.0 * _np_sigmoid(x), rtol=1e-6,
+                             atol=1e-6)
 
 
 def test_gate_unbounded_matches_closed_form():
@@ -89,7 +90,7 @@ def test_gate_unbounded_matches_closed_form():
   x = rng.standard_normal((7, 2, 8)).astype(np.float32) * 4
   a_log = np.log(rng.uniform(1, 16, 2)).astype(np.float32)
   dt_bias = rng.standard_normal(16).astype(np.float32)
-  g = kda.kda_gate(jnp.asarray(x, jnp.bfloat16), a_log, dt_bias, lower_bound=None)
+  g = kda_inputs.kda_gate(jnp.asarray(x, jnp.bfloat16), a_log, dt_bias, lower_bound=None)
   xb = np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
   want = -np.exp(a_log)[:, None] * np.logaddexp(0.0, xb + dt_bias.reshape(2, 8))
   assert g.dtype == jnp.float32
@@ -99,23 +100,24 @@ def test_gate_unbounded_matches_closed_form():
 @pytest.mark.parametrize("lower_bound", [-5.5, 0.0, 1.0, "x"])
 def test_gate_rejects_bad_lower_bound(lower_bound):
   with pytest.raises(ValueError, match="lower_bound"):
-    kda.kda_gate(jnp.zeros((2, 3, 4)), jnp.zeros(3), jnp.zeros(12), lower_bound=lower_bound)
+    kda_inputs.kda_gate(jnp.zeros((2, 3, 4)), jnp.zeros(3), jnp.zeros(12),
+                        lower_bound=lower_bound)
 
 
 def test_gate_rejects_bad_shapes():
   with pytest.raises(ValueError, match="A_log"):
-    kda.kda_gate(jnp.zeros((2, 3, 4)), jnp.zeros(4))
+    kda_inputs.kda_gate(jnp.zeros((2, 3, 4)), jnp.zeros(4))
   with pytest.raises(ValueError, match="dt_bias"):
-    kda.kda_gate(jnp.zeros((2, 3, 4)), jnp.zeros(3), jnp.zeros((3, 4)))
+    kda_inputs.kda_gate(jnp.zeros((2, 3, 4)), jnp.zeros(3), jnp.zeros((3, 4)))
 
 
 def test_l2_normalize_matches_closed_form():
   x = np.random.default_rng(2).standard_normal((3, 4, 16)).astype(np.float32)
   want = x / np.sqrt(np.sum(x.astype(np.float64) ** 2, -1, keepdims=True) + 1e-6)
-  got = kda.l2_normalize(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
-  np.testing.assert_allclose(kda.l2_normalize(x), want, rtol=1e-6, atol=1e-7)
+  got = kda_inputs.l2_normalize(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32))
+  np.testing.assert_allclose(kda_inputs.l2_normalize(x), want, rtol=1e-6, atol=1e-7)
   assert got.dtype == jnp.float32
-  np.testing.assert_allclose(kda.l2_normalize(np.zeros((2, 4))), 0.0)
+  np.testing.assert_allclose(kda_inputs.l2_normalize(np.zeros((2, 4))), 0.0)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -173,7 +175,8 @@ def test_chunk_qk_l2norm_and_dtypes():
   k_raw = jnp.asarray(rng.standard_normal(k.shape).astype(np.float32)) * 3
   o, ht = kda.chunk_kda(q_raw, k_raw, v.astype(jnp.bfloat16), g, beta, use_qk_l2norm=True,
                         chunk_size=16, output_final_state=True)
-  o_ref, ht_ref = kda.recurrent_kda(kda.l2_normalize(q_raw), kda.l2_normalize(k_raw),
+  o_ref, ht_ref = kda.recurrent_kda(kda_inputs.l2_normalize(q_raw),
+                                    kda_inputs.l2_normalize(k_raw),
                                     v.astype(jnp.bfloat16).astype(jnp.float32), g, beta,
                                     output_final_state=True)
   assert o.dtype == jnp.bfloat16 and ht.dtype == jnp.float32
@@ -339,7 +342,7 @@ def test_qkv_zero_at_padding_skips_only_redundant_masking(backend):
 def test_saturated_bounded_gate_long_sequence():
   T = 4096
   q, k, v, _, beta, h0 = make_inputs(13, B=1, T=T, H=1, K=8, V=8)
-  g = kda.kda_gate(jnp.full((1, T, 1, 8), 30.0), jnp.zeros(1), jnp.zeros(8))
+  g = kda_inputs.kda_gate(jnp.full((1, T, 1, 8), 30.0), jnp.zeros(1), jnp.zeros(8))
   assert float(jnp.min(g)) == -5.0
   o_ref, ht_ref = kda.recurrent_kda(q, k, v, g, beta, initial_state=h0, output_final_state=True)
   for dtype in (jnp.float32, jnp.bfloat16):
@@ -370,7 +373,7 @@ def test_unbounded_gate_is_exact():
   assert_matches(got, want)
   # The unbounded softplus gate of a real checkpoint (exp(A_log) up to 201).
   x = jnp.asarray(np.random.default_rng(15).standard_normal((1, 150, 2, 8)).astype(np.float32)) * 3
-  g = kda.kda_gate(x, jnp.log(jnp.array([201.0, 8.0])), None, lower_bound=None)
+  g = kda_inputs.kda_gate(x, jnp.log(jnp.array([201.0, 8.0])), None, lower_bound=None)
   o, ht = kda.chunk_kda(*inputs[:3], g, inputs[4], output_final_state=True)
   o_ref, ht_ref = kda.recurrent_kda(*inputs[:3], g, inputs[4], output_final_state=True)
   assert error_ratio(o, o_ref) <= 1e-5 and error_ratio(ht, ht_ref) <= 1e-5
@@ -437,7 +440,7 @@ def test_gate_never_grows(lower_bound):
   x = jnp.asarray(np.linspace(-1e4, 1e4, 2 * 3 * 2 * 4, dtype=np.float32).reshape(2, 3, 2, 4))
   A_log = jnp.asarray(np.array([-3.0, 3.0], np.float32))
   dt_bias = jnp.asarray(np.full((2 * 4,), 5.0, np.float32))
-  g = kda.kda_gate(x, A_log, dt_bias, lower_bound=lower_bound)
+  g = kda_inputs.kda_gate(x, A_log, dt_bias, lower_bound=lower_bound)
   assert float(jnp.max(g)) <= 0.0
 
 
@@ -463,7 +466,7 @@ def test_chunk_is_finite_and_exact_when_all_keys_align():
   """Identical keys with beta ~ 1 make the in-chunk L entries ~1: the (I + L)^-1 must stay stable
   (power-series inverses overflow here)."""
   L = np.tril(np.full((64, 64), 0.99, np.float32), -1)
-  np.testing.assert_allclose(np.asarray(kda._unit_lower_inverse(jnp.asarray(L))),
+  np.testing.assert_allclose(np.asarray(kda_chunk_xla._unit_lower_inverse(jnp.asarray(L))),
                              np.linalg.inv(np.eye(64) + L.astype(np.float64)), atol=1e-5)
   rng = np.random.default_rng(11)
   B, T, H, K, V = 1, 128, 1, 16, 16
@@ -474,7 +477,7 @@ def test_chunk_is_finite_and_exact_when_all_keys_align():
   beta = np.full((B, T, H), 0.99, np.float32)
   args = [jnp.asarray(x) for x in (q, k, v, g, beta)]
   o_chunk, _ = kda.chunk_kda(*args, use_qk_l2norm=True, backend="xla")
-  qn, kn = kda.l2_normalize(args[0]), kda.l2_normalize(args[1])
+  qn, kn = kda_inputs.l2_normalize(args[0]), kda_inputs.l2_normalize(args[1])
   o_ref, _ = kda.recurrent_kda(qn, kn, *args[2:])
   assert np.all(np.isfinite(np.asarray(o_chunk)))
   np.testing.assert_allclose(np.asarray(o_chunk), np.asarray(o_ref), atol=1e-4)
@@ -505,7 +508,7 @@ def _fused_grads(d, lower_bound, fused, backend):
                            chunk_size=16, backend=backend, A_log=a_log, dt_bias=dt,
                            lower_bound=lower_bound)
     else:
-      g = kda.kda_gate(x, a_log, dt, lower_bound=lower_bound)
+      g = kda_inputs.kda_gate(x, a_log, dt, lower_bound=lower_bound)
       o, _ = kda.chunk_kda(q, k, v, g, beta, use_qk_l2norm=True, segment_ids=d["seg"],
                            chunk_size=16, backend=backend)
     return jnp.sum(o * do), o

@@ -8,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from k3jax.ops.kda import kda_gate, l2_normalize, recurrent_kda
+from k3jax.ops.kda import recurrent_kda
+from k3jax.ops.kda_inputs import kda_gate, l2_normalize
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda.config import Tuning
 from testlib import error_ratio
