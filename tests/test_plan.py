@@ -32,7 +32,7 @@ from k3jax import config as config_lib
 from k3jax.model import K3Model, init_variables
 from k3jax.parallel import sharding
 from k3jax.plan import (MeshShape, advise, parse_mesh, plan_stages, smallest_mesh, stage_memory,
-                        state_bytes)
+                        stage_meshes, state_bytes)
 from k3jax.plan import activations as acts
 from k3jax.runtime import batch_shapes
 from k3jax.training.state import train_state_shapes
@@ -148,6 +148,25 @@ def test_advice_makes_the_stage_fit():
   assert advise(cfg, 0, MeshShape(), 1e-6, backend="cpu") is None    # nothing is that small
 
 
+STAGE_AXES = "MeshConfig.stage_axes = ('data:8', '', 'data:2,context:4', 'context:8')"
+
+
+def test_stage_axes_plan_each_stage_on_its_own_mesh():
+  """With MeshConfig.stage_axes each stage's plan is the one its mesh alone gives ('' : --mesh);
+  a stage that its own mesh does not divide gets no memory and a problem that names the entry."""
+  cfg = _config([STAGE_AXES])
+  assert [m.spec() for m, _ in stage_meshes(cfg, parse_mesh("data:2"))] == \
+      ["data:8", "data:2", "data:2,context:4", "context:8"]
+  plans = plan_stages(cfg, parse_mesh("data:2"), 1.0, backend="cpu")
+  for stage, spec in enumerate(["data:8", "data:2", "data:2,context:4", "context:8"]):
+    alone = plan_stages(_config([]), parse_mesh(spec), 1.0, backend="cpu")[stage]
+    assert plans[stage].memory == alone.memory, (stage, spec)
+  odd = plan_stages(_config(["MeshConfig.stage_axes = ('', 'data:3', '', '')"]), MeshShape(),
+                    1.0, backend="cpu")
+  assert [p.memory is None for p in odd] == [False, True, False, False]
+  assert odd[1].problem.startswith("MeshConfig.stage_axes[1]='data:3': stage 1 (seq_len 128)")
+
+
 def run_plan(*args: str) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-m", "k3jax.plan", *args], cwd=REPO, env=env,
@@ -167,6 +186,18 @@ def test_command_prints_a_row_per_stage():
       ["16", "128", "512", "2048"]
   assert all(r[-1] == "NO" for r in rows)
   assert "stage 0 does not fit" in proc.stdout and "The smallest change that fits" in proc.stdout
+
+
+def test_command_shows_each_stage_mesh():
+  proc = run_plan("--gin_file=gin_configs/tiny.gin", "--mesh=data:2", "--device_memory_gib=1",
+                  "--backend=cpu", f"--gin_bindings={STAGE_AXES}")
+  assert proc.returncode == 0, proc.stderr
+  lines = proc.stdout.splitlines()
+  assert lines[0].startswith("memory plan: each stage on its own mesh (MeshConfig.stage_axes")
+  head = next(i for i, line in enumerate(lines) if line.startswith("stage  mesh"))
+  assert [line.split()[:3] for line in lines[head + 1:head + 5]] == [
+      ["0", "data:8", "16"], ["1", "data:2", "128"], ["2", "data:2,context:4", "512"],
+      ["3", "context:8", "2048"]]
 
 
 @pytest.mark.parametrize("flag, message", [

@@ -26,8 +26,8 @@ from k3jax.plan.estimate import (MESH_AXES, MeshShape, StageMemory, check_mesh, 
 from k3jax.plan.state import StateBytes, state_bytes
 
 __all__ = ["MESH_AXES", "MeshShape", "StageMemory", "StagePlan", "Change", "advise",
-           "check_mesh", "parse_mesh", "plan_stages", "smallest_mesh", "stage_memory",
-           "state_bytes", "StateBytes"]
+           "check_mesh", "parse_mesh", "plan_stages", "smallest_mesh", "stage_meshes",
+           "stage_memory", "state_bytes", "StateBytes"]
 
 GIB = float(1 << 30)
 # The most tokens a chunk that `advise` proposes for ImplConfig.position_chunk_tokens has
@@ -231,28 +231,46 @@ def advise(cfg: config_lib.Config, stage: int, mesh: MeshShape, device_gib: floa
   return Change(" and ".join(what), memory, grown, with_fsdp)
 
 
+def stage_meshes(cfg: config_lib.Config, mesh: MeshShape) -> list[tuple[MeshShape, str]]:
+  """Each stage's planned mesh and the setting that names it, as a run places the stages:
+  `MeshConfig.stage_axes[i]` where it is given and not '', else `mesh` (--mesh). Raises
+  ValueError naming MeshConfig.stage_axes[i] for an entry that is not a mesh."""
+  out = []
+  for stage in range(len(cfg.stages.stages)):
+    own = cfg.mesh.stage_axes[stage] if cfg.mesh.stage_axes else ""
+    setting = f"MeshConfig.stage_axes[{stage}]"
+    out.append((parse_mesh(own, setting), setting) if own else (mesh, "--mesh"))
+  return out
+
+
 def plan_stages(cfg: config_lib.Config, mesh: MeshShape, device_gib: float, fsdp: bool = False,
                 backend: str = "gpu") -> list[StagePlan]:
-  """Every stage's plan on `mesh`. A stage that the mesh does not divide (its micro-batch's rows
-  over data x expert, its rows over context) gets no memory, its `problem`, and as advice the
-  smallest mesh that fits it. Raises ValueError naming --mesh when the mesh divides no stage, or
-  not the experts or a parameter's sharded dimension."""
-  check_mesh(cfg, mesh, stages=[])
+  """Every stage's plan on its mesh: `mesh` (--mesh), or the stage's own where
+  MeshConfig.stage_axes gives one (`stage_meshes`). A stage that its mesh does not divide (its
+  micro-batch's rows over data x expert, its rows over context) gets no memory, its `problem`,
+  and as advice the smallest mesh that fits it. Raises ValueError naming the mesh's setting
+  (--mesh or MeshConfig.stage_axes[i]) when the meshes divide no stage, or when one does not
+  divide the experts or a parameter's sharded dimension."""
+  meshes = stage_meshes(cfg, mesh)
+  for stage_mesh, setting in dict.fromkeys(meshes):
+    check_mesh(cfg, stage_mesh, setting, stages=[])
   problems = {}
-  for stage in range(len(cfg.stages.stages)):
+  for stage, (stage_mesh, setting) in enumerate(meshes):
     try:
-      check_mesh(cfg, mesh, stages=[stage])
+      check_mesh(cfg, stage_mesh, setting, stages=[stage])
     except ValueError as e:
       problems[stage] = str(e)
   if len(problems) == len(cfg.stages.stages):
     raise ValueError(problems[0])
-  try:
-    state = state_bytes(cfg, mesh.sizes(), fsdp)
-  except ValueError as e:
-    raise ValueError(f"--mesh={mesh.spec()!r}: {e}") from e
+  states = {}
+  for stage_mesh, setting in dict.fromkeys(meshes):
+    try:
+      states[stage_mesh] = state_bytes(cfg, stage_mesh.sizes(), fsdp)
+    except ValueError as e:
+      raise ValueError(f"{setting}={stage_mesh.spec()!r}: {e}") from e
   limit = device_gib * GIB
   out = []
-  for stage in range(len(cfg.stages.stages)):
+  for stage, (stage_mesh, _) in enumerate(meshes):
     if stage in problems:
       best = smallest_mesh(cfg, stage, device_gib, True, backend)
       advice = None if best is None else Change(
@@ -260,8 +278,8 @@ def plan_stages(cfg: config_lib.Config, mesh: MeshShape, device_gib: float, fsdp
           best.mesh, True)
       out.append(StagePlan(stage, None, False, advice, problems[stage]))
       continue
-    memory = stage_memory(cfg, stage, mesh, fsdp, backend, state=state)
+    memory = stage_memory(cfg, stage, stage_mesh, fsdp, backend, state=states[stage_mesh])
     fits = _fits(memory, limit)
-    out.append(StagePlan(stage, memory, fits,
-                         None if fits else advise(cfg, stage, mesh, device_gib, fsdp, backend)))
+    out.append(StagePlan(stage, memory, fits, None if fits else
+                         advise(cfg, stage, stage_mesh, device_gib, fsdp, backend)))
   return out

@@ -8,7 +8,9 @@ ImplConfig.stage_remat): the parameters, optimizer state and gradients (exact, f
 variables and their shardings), the activations the backward keeps and the peak's transient arrays
 (an analytic model per layer: `k3jax/plan/activations.py`), their sum, whether it fits
 --device_memory_gib, and for a stage that does not, the smallest change that makes it fit.
---mesh takes 'data', 'context' and 'expert' ('context' splits each row into contiguous slices).
+--mesh takes 'data', 'context' and 'expert' ('context' splits each row into contiguous slices);
+a stage that MeshConfig.stage_axes gives a mesh of its own is planned on that one, as a run
+places it, and the table then has a mesh column.
 --smallest_mesh also prints, per stage, the fewest devices (a power of two, FSDP on) that fit and
 their layout. Nothing is compiled or allocated. Exit codes: 0 (whether or not the stages fit), 2
 for a bad flag or setting (one line naming it). docs/memory_plan.md says what is modelled.
@@ -23,7 +25,8 @@ from absl import flags
 from k3jax import cli
 from k3jax import config as config_lib
 from k3jax.model import count_params
-from k3jax.plan import GIB, MAX_DEVICES, StagePlan, parse_mesh, plan_stages, smallest_mesh
+from k3jax.plan import (GIB, MAX_DEVICES, StagePlan, parse_mesh, plan_stages, smallest_mesh,
+                        stage_meshes)
 from k3jax.plan.activations import resolve_kernels
 
 BACKENDS = ("gpu", "cpu")
@@ -61,9 +64,10 @@ def _count(n: int) -> str:
   return str(n)
 
 
-def table(plans: Sequence[StagePlan]) -> tuple[str, list[str]]:
+def table(plans: Sequence[StagePlan], meshes: Sequence[str] = ()) -> tuple[str, list[str]]:
   """(the unit, the per-stage table's lines): bytes per device in GiB, or MiB when every stage
-  is under 1 GiB."""
+  is under 1 GiB. meshes: each stage's mesh, a column after the stage's number (none when
+  empty)."""
   totals = [p.memory.total for p in plans if p.memory is not None]
   unit, size = ("GiB", GIB) if max(totals) >= GIB else ("MiB", 2.0**20)
   num = lambda n: f"{n / size:.2f}"  # noqa: E731
@@ -79,8 +83,12 @@ def table(plans: Sequence[StagePlan]) -> tuple[str, list[str]]:
                  num(m.params), num(m.opt_state), num(m.grads), num(m.activations),
                  num(m.temporaries + m.batch + m.other), num(m.total),
                  "yes" if plan.fits else "NO"))
-  widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-  return unit, ["  ".join(c.rjust(w) if 4 <= i < len(head) - 1 else c.ljust(w)
+  first_number = 4
+  if meshes:
+    rows = [r[:1] + (mesh or "one device",) + r[1:] for r, mesh in zip(rows, ["mesh", *meshes])]
+    first_number += 1
+  widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+  return unit, ["  ".join(c.rjust(w) if first_number <= i < len(r) - 1 else c.ljust(w)
                           for i, (c, w) in enumerate(zip(r, widths))).rstrip() for r in rows]
 
 
@@ -94,8 +102,16 @@ def report(cfg: config_lib.Config, mesh_flag: str, device_gib: float, fsdp: bool
   plans = plan_stages(cfg, mesh, device_gib, fsdp, backend)
   total, _ = count_params(cfg.model)
   kernels = resolve_kernels(cfg.impl, backend, cfg.model)
-  where = f"--mesh={mesh.spec()} ({mesh.devices} devices)" if mesh.devices > 1 else "one device"
-  unit, rows = table(plans)
+  meshes = stage_meshes(cfg, mesh)
+  if len({m for m, _ in meshes}) > 1:
+    where = "each stage on its own mesh (MeshConfig.stage_axes, '' for --mesh)"
+    unit, rows = table(plans, [m.spec() for m, _ in meshes])
+  else:
+    only = meshes[0][0]
+    setting = "--mesh" if all(s == "--mesh" for _, s in meshes) else "MeshConfig.stage_axes"
+    where = (f"{setting}={only.spec()} ({only.devices} devices)" if only.devices > 1
+             else "one device")
+    unit, rows = table(plans)
   lines = [f"memory plan: {where}, {'FSDP' if fsdp else 'no FSDP'}, {device_gib:g} GiB a device, "
            f"{backend} kernels (KDA {kernels.kda}, grouped matmul {kernels.grouped_matmul})",
            f"model: {_count(total)} parameters ({cfg.model.param_dtype}), activations "
