@@ -1,9 +1,11 @@
-"""experiments/studies: one launcher end to end, for a couple of steps of a smaller model (its
-runs through the real CLI with the per-step loads of EvalConfig.log_expert_loads, its section, its
-plots), into a temporary root, RESULTS.md and plots folder."""
+"""experiments/studies: launchers end to end, for a couple of steps of a smaller model (their runs
+through the real CLI, their sections, their plots), into a temporary root, RESULTS.md and plots
+folder: balance (with the per-step loads of EvalConfig.log_expert_loads) and context_extension
+(with its passkey measurements of the final checkpoints)."""
 
 from __future__ import annotations
 
+import json
 import os
 
 from testlib import TINY_RUN_BINDINGS, load_experiment
@@ -36,3 +38,38 @@ def test_the_balance_launcher_trains_and_writes_its_section(tmp_path):
   (load,) = loads.values()
   # Each step routes its 1024 tokens (packed rows: all valid) to 8 experts each.
   assert load.shape == (2, 64) and (load.sum(axis=1) == 8 * 1024).all()
+
+
+context_extension = load_experiment("studies", "context_extension")
+
+
+def test_the_context_extension_launcher_trains_measures_and_writes_its_section(tmp_path,
+                                                                               monkeypatch):
+  # Both settings for two steps of a smaller model (staged: 128, final_only: L = 256), 2 rows
+  # at 1x and 2x L.
+  small = [b for b in TINY_RUN_BINDINGS if not b.startswith("StagesConfig")]
+  argv = [f"--root={tmp_path / 'runs'}", f"--results={tmp_path / 'RESULTS.md'}",
+          f"--plots={tmp_path / 'plots'}", "--max_steps=2", "--seeds=0", "--samples=2",
+          "--multipliers=1,2"] + [f"--bindings={b}" for b in small + [
+              "StagesConfig.tokens_per_step = 1024", "EvalConfig.num_batches = 1"]]
+  body = context_extension.main(argv)
+  text = open(tmp_path / "RESULTS.md").read()
+  assert "<!-- study: context_extension -->" in text and body.strip() in text
+  for setting in ("staged", "final_only"):
+    [row] = [line for line in body.splitlines() if line.startswith(f"| {setting} |")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    # 1x (256), 2x (512): accuracies of 2 rows; the answer loss.
+    assert all(0.0 <= float(c) <= 1.0 for c in cells[1:3]), cells
+    assert float(cells[3]) > 0, cells
+    workdir = tmp_path / "runs" / "context_extension" / f"{setting}_seed0"
+    saved = json.load(open(workdir / context_extension.CACHE_FILE))
+    assert saved["key"]["lengths"] == [256, 512] and saved["key"]["step"] == 2
+  assert "| 1x (256) | 2x (512) | answer loss |" in body and "**Verdict: " in body
+  assert sorted(os.listdir(tmp_path / "plots")) == ["context_extension.png",
+                                                    "context_extension_val_loss.png"]
+
+  # Again: the runs are finished and their accuracies kept, so nothing is trained or measured.
+  def refuse(*args, **kwargs):
+    raise AssertionError("measured again")
+  monkeypatch.setattr(context_extension, "passkey_accuracies", refuse)
+  assert context_extension.main(argv) == body
