@@ -102,8 +102,7 @@ def _answer_logits(model_cfg, impl_cfg):
   config: every run of a study shares it, so each length compiles once per launcher process."""
   from k3jax.model import K3Model  # pylint: disable=import-outside-toplevel
   from k3jax.training import evaluation  # pylint: disable=import-outside-toplevel
-  # pylint: disable-next=protected-access
-  return evaluation._answer_logits_fn(K3Model(model_cfg, impl_cfg))
+  return evaluation.answer_logits_fn(K3Model(model_cfg, impl_cfg))
 
 
 def passkey_accuracies(workdir: str, lengths: Sequence[int], samples: int, eval_tokens: int

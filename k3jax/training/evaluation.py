@@ -76,10 +76,12 @@ def answer_window(loss_mask: np.ndarray) -> tuple[int, int]:
   return int(np.argmax(marked.any(axis=0))), marked.shape[1]
 
 
-def _answer_logits_fn(model):
+def answer_logits_fn(model):
   """answer_logits(params, moe_state, batch, first) -> fp32 logits [B, T - first, V] of the
   positions [first, T) only (first: static), jitted; `model` is a K3Model (its apply with
-  return_hidden gives the final hidden states and the LM head)."""
+  return_hidden gives the final hidden states and the LM head). What the passkey and MQAR
+  evaluations score; a study that scores checkpoints of one config builds it once and reuses
+  its compiled programs (experiments/studies/context_extension.py)."""
   def answer_logits(params, moe_state, batch, first):
     (h, head), _ = model.apply({"params": params, "moe_state": moe_state}, batch["inputs"],
                                batch["segment_ids"], return_hidden=True, mutable=["moe_stats"])
@@ -119,7 +121,7 @@ def evaluate_mqar(model, params, moe_state, seq_len: int, num_kv_pairs: int, *,
   if not (isinstance(samples, int) and samples > 0):
     raise ValueError(f"evaluate_mqar: samples={samples!r} must be a positive integer")
   vocab = model.config.vocab_size if vocab_size is None else vocab_size
-  return _mqar_accuracy(_answer_logits_fn(model), params, moe_state, vocab, seq_len,
+  return _mqar_accuracy(answer_logits_fn(model), params, moe_state, vocab, seq_len,
                         num_kv_pairs, samples, seed)
 
 
@@ -156,7 +158,7 @@ class Evaluator:
       return sums, stats
 
     self._loss_and_stats = runtime_lib.jit(loss_and_stats)
-    self._answer_logits = _answer_logits_fn(model)
+    self._answer_logits = answer_logits_fn(model)
 
   def validation_batch_size(self, seq_len: int) -> int:
     return max(1, self.cfg.stages.tokens_per_step // seq_len)
