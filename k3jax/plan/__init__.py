@@ -262,15 +262,10 @@ def plan_stages(cfg: config_lib.Config, mesh: MeshShape, device_gib: float, fsdp
       problems[stage] = str(e)
   if len(problems) == len(cfg.stages.stages):
     raise ValueError(problems[0])
-  states = {}
-  for stage_mesh, setting in dict.fromkeys(meshes):
-    try:
-      states[stage_mesh] = state_bytes(cfg, stage_mesh.sizes(), fsdp)
-    except ValueError as e:
-      raise ValueError(f"{setting}={stage_mesh.spec()!r}: {e}") from e
+  states = {}   # the state's bytes per distinct mesh of a stage it divides
   limit = device_gib * GIB
   out = []
-  for stage, (stage_mesh, _) in enumerate(meshes):
+  for stage, (stage_mesh, setting) in enumerate(meshes):
     if stage in problems:
       best = smallest_mesh(cfg, stage, device_gib, True, backend)
       advice = None if best is None else Change(
@@ -278,6 +273,11 @@ def plan_stages(cfg: config_lib.Config, mesh: MeshShape, device_gib: float, fsdp
           best.mesh, True)
       out.append(StagePlan(stage, None, False, advice, problems[stage]))
       continue
+    if stage_mesh not in states:
+      try:
+        states[stage_mesh] = state_bytes(cfg, stage_mesh.sizes(), fsdp)
+      except ValueError as e:
+        raise ValueError(f"{setting}={stage_mesh.spec()!r}: {e}") from e
     memory = stage_memory(cfg, stage, stage_mesh, fsdp, backend, state=states[stage_mesh])
     fits = _fits(memory, limit)
     out.append(StagePlan(stage, memory, fits, None if fits else
