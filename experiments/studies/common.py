@@ -114,12 +114,38 @@ def is_finished(workdir: str, max_steps: Optional[int] = None) -> bool:
   `max_steps` when that is sooner. False for a missing or unreadable run."""
   try:
     run = compare.load_run(workdir)
-    with open(os.path.join(workdir, "eval.json")) as f:
-      final_step = json.load(f)["final"]["step"]
   except (compare.CompareError, OSError, ValueError, KeyError, TypeError):
     return False
+  step = final_step(workdir)
   target = run.planned_steps if max_steps is None else min(max_steps, run.planned_steps)
-  return run.steps >= target and final_step >= target
+  return step is not None and run.steps >= target and step >= target
+
+
+def final_step(workdir: str) -> Optional[int]:
+  """The step of the final evaluation in DIR/eval.json (written last, when a `k3jax train` call
+  ends); None without a readable one."""
+  try:
+    with open(os.path.join(workdir, "eval.json")) as f:
+      return int(json.load(f)["final"]["step"])
+  except (OSError, ValueError, KeyError, TypeError):
+    return None
+
+
+def cached_measurement(path: str, key: dict, measure: Callable[[], dict]) -> dict[int, float]:
+  """{int: float} of `measure()`, kept in the JSON file at `path` with `key` (what it was measured
+  with): read back while the saved key equals `key`, else measured again and the file replaced
+  whole. A study measures its finished runs' checkpoints once, and re-running its launcher only
+  re-renders."""
+  if os.path.isfile(path):
+    with open(path) as f:
+      saved = json.load(f)
+    if saved.get("key") == key:
+      return {int(k): v for k, v in saved["accuracy"].items()}
+  values = measure()
+  with open(path + ".tmp", "w") as f:
+    json.dump({"key": key, "accuracy": values}, f)
+  os.replace(path + ".tmp", path)
+  return values
 
 
 def run_settings(study: str, settings: Sequence[Setting], seeds: Sequence[int], root: str,

@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 from typing import Optional, Sequence
@@ -136,32 +135,19 @@ def passkey_accuracies(workdir: str, lengths: Sequence[int], samples: int, eval_
   return out
 
 
-def _final_step(workdir: str) -> Optional[int]:
-  try:
-    with open(os.path.join(workdir, "eval.json")) as f:
-      return int(json.load(f)["final"]["step"])
-  except (OSError, ValueError, KeyError, TypeError):
-    return None
-
-
 def cached_accuracies(workdir: str, lengths: Sequence[int], samples: int, eval_tokens: int,
                       log=print) -> dict[int, float]:
   """`passkey_accuracies`, kept in DIR/CACHE_FILE and measured again only when the lengths, the
-  rows or the run's final step differ from what the file was measured with."""
-  path = os.path.join(workdir, CACHE_FILE)
+  rows or the run's final step differ from what the file was measured with
+  (`common.cached_measurement`)."""
   key = {"lengths": [int(x) for x in lengths], "samples": samples, "stream": EVAL_STREAM,
-         "step": _final_step(workdir)}
-  if os.path.isfile(path):
-    with open(path) as f:
-      saved = json.load(f)
-    if saved.get("key") == key:
-      return {int(k): v for k, v in saved["accuracy"].items()}
-  accs = passkey_accuracies(workdir, lengths, samples, eval_tokens)
-  log(f"{workdir}: passkey accuracy {accs}")
-  with open(path + ".tmp", "w") as f:
-    json.dump({"key": key, "accuracy": accs}, f)
-  os.replace(path + ".tmp", path)
-  return accs
+         "step": common.final_step(workdir)}
+
+  def measure() -> dict[int, float]:
+    accs = passkey_accuracies(workdir, lengths, samples, eval_tokens)
+    log(f"{workdir}: passkey accuracy {accs}")
+    return accs
+  return common.cached_measurement(os.path.join(workdir, CACHE_FILE), key, measure)
 
 
 # ------------------------------------------------------------------------------------------------

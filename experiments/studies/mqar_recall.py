@@ -19,7 +19,6 @@ through the linear layer's state.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shlex
 import sys
@@ -157,18 +156,11 @@ def final_train_loss(workdir: str) -> float:
 
 def cached_accuracies(workdir: str) -> dict[int, float]:
   """`recall.mqar_accuracies` of the run at EVAL_PAIRS, kept in DIR/mqar_accuracy.json (measured
-  again when the pairs, the length or the samples differ)."""
-  path = os.path.join(workdir, "mqar_accuracy.json")
+  again when the pairs, the length or the samples differ; `common.cached_measurement`)."""
   key = {"seq_len": SEQ_LEN, "samples": EVAL_SAMPLES, "pairs": list(EVAL_PAIRS)}
-  if os.path.isfile(path):
-    with open(path) as f:
-      saved = json.load(f)
-    if saved.get("key") == key:
-      return {int(p): a for p, a in saved["accuracy"].items()}
-  accs = recall.mqar_accuracies(workdir, SEQ_LEN, EVAL_PAIRS, EVAL_SAMPLES)
-  with open(path, "w") as f:
-    json.dump({"key": key, "accuracy": accs}, f)
-  return accs
+  return common.cached_measurement(
+      os.path.join(workdir, "mqar_accuracy.json"), key,
+      lambda: recall.mqar_accuracies(workdir, SEQ_LEN, EVAL_PAIRS, EVAL_SAMPLES))
 
 
 def main(argv=None) -> None:
