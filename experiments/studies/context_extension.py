@@ -259,34 +259,21 @@ def _mults(ms: Sequence[int]) -> str:
 
 def accuracy_figure(grid: dict, title: str, per_run: Optional[dict] = None) -> Figure:
   """Passkey accuracy against the evaluated length (x L, log scale), one line per setting: the
-  mean over the seeds with min-max bars; per_run ({(setting, seed): {multiplier: accuracy}}) adds
-  each run as a thin dotted line of its setting's colour, since a mean over few seeds can hide a
-  run that never learned the task."""
-  fig = Figure(figsize=(6.5, 4), layout="constrained")
-  ax = fig.add_subplot(1, 1, 1)
-  for i, (name, by_mult) in enumerate(grid.items()):
-    color = f"C{i}"
-    xs = sorted(m for m, s in by_mult.items() if s.n)
-    mean = np.array([by_mult[m].mean for m in xs])
-    err = np.array([[by_mult[m].mean - by_mult[m].lo for m in xs],
-                    [by_mult[m].hi - by_mult[m].mean for m in xs]])
-    ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, color=color, label=f"{name} (mean)")
+  mean over the seeds with min-max bars (`recall.spread_figure`); per_run ({(setting, seed):
+  {multiplier: accuracy}}) adds each run as a thin dotted line of its setting's colour, since a
+  mean over few seeds can hide a run that never learned the task."""
+  fig = recall.spread_figure(grid, "evaluated length (x the final training length L)",
+                             "passkey accuracy", title, ylim=(-0.02, 1.02),
+                             tick_label=lambda m: f"{m}x", label=lambda name: f"{name} (mean)",
+                             figsize=(6.5, 4))
+  ax = fig.axes[0]
+  for i, name in enumerate(grid):
     for (setting, seed), accs in sorted((per_run or {}).items()):
       if setting == name:
         ms = sorted(m for m, a in accs.items() if a is not None)
-        ax.plot(ms, [accs[m] for m in ms], ":", lw=1, color=color, alpha=0.7)
-        ax.annotate(f"seed {seed}", (ms[-1], accs[ms[-1]]), fontsize=7, color=color,
+        ax.plot(ms, [accs[m] for m in ms], ":", lw=1, color=f"C{i}", alpha=0.7)
+        ax.annotate(f"seed {seed}", (ms[-1], accs[ms[-1]]), fontsize=7, color=f"C{i}",
                     xytext=(4, 0), textcoords="offset points")
-  ticks = sorted({m for by_mult in grid.values() for m in by_mult})
-  ax.set_xscale("log", base=2)
-  ax.set_xticks(ticks)
-  ax.set_xticklabels([f"{m}x" for m in ticks])
-  ax.set_ylim(-0.02, 1.02)
-  ax.set_xlabel("evaluated length (x the final training length L)")
-  ax.set_ylabel("passkey accuracy")
-  ax.set_title(title)
-  ax.grid(alpha=0.3)
-  ax.legend(loc="best")
   return fig
 
 

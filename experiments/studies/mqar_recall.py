@@ -177,9 +177,11 @@ def main(argv=None) -> None:
   body = section(records, accs, args.steps, seeds)
   grid = recall.accuracy_grid([(r.setting, r.seed, p, accs[(r.setting, r.seed)][p])
                                for r in records for p in EVAL_PAIRS])
-  recall.plot_lines(os.path.join(common.PLOTS, f"{STUDY}.png"), grid, "key-value pairs",
-                    "MQAR accuracy", f"MQAR recall, T = {SEQ_LEN}, trained at {TRAIN_PAIRS} pairs",
-                    ylim=(-0.02, 1.02))
+  common.compare.save_figure(
+      recall.spread_figure(grid, "key-value pairs", "MQAR accuracy",
+                           f"MQAR recall, T = {SEQ_LEN}, trained at {TRAIN_PAIRS} pairs",
+                           ylim=(-0.02, 1.02)),
+      os.path.join(common.PLOTS, f"{STUDY}.png"))
   common.write_section(STUDY, body)
   print(body)
 

@@ -1,5 +1,5 @@
 """Helpers of the mqar_recall and situ_glu study launchers that common.py does not have: MQAR
-accuracy of a finished run at several numbers of key-value pairs, the accuracy table and plot over
+accuracy of a finished run at several numbers of key-value pairs, the accuracy table and figure over
 seeds, loss-spike and divergence bookkeeping, and training that records a failed run instead of
 stopping the study.
 
@@ -19,6 +19,7 @@ import time
 from typing import Callable, Optional, Sequence
 
 import numpy as np
+from matplotlib.figure import Figure
 
 import common
 from common import RunRecord, Setting, StudyRunError
@@ -143,23 +144,25 @@ def mqar_accuracies(workdir: str, seq_len: int, pairs: Sequence[int], samples: i
           for p in pairs}
 
 
-def plot_lines(path: str, grid: dict[str, dict[int, common.Spread]], xlabel: str, ylabel: str,
-               title: str, logx: bool = True, ylim: Optional[tuple] = None) -> str:
-  """One line per setting of `grid` ({setting: {x: Spread}}): the mean, with min-max error bars."""
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  fig, ax = plt.subplots(figsize=(6, 4))
-  for name, by_x in grid.items():
+def spread_figure(grid: dict[str, dict[int, common.Spread]], xlabel: str, ylabel: str, title: str,
+                  *, logx: bool = True, ylim: Optional[tuple] = None,
+                  tick_label: Callable[[int], str] = "{:g}".format,
+                  label: Callable[[str], str] = str, figsize: tuple = (6, 4)) -> Figure:
+  """One line per setting of `grid` ({setting: {x: Spread}}): the mean with min-max error bars,
+  the i-th setting in colour C<i> (a caller adding lines per run matches it); tick_label and
+  label write an x tick and a setting's legend entry."""
+  fig = Figure(figsize=figsize, layout="constrained")
+  ax = fig.add_subplot(1, 1, 1)
+  for i, (name, by_x) in enumerate(grid.items()):
     xs = sorted(x for x, s in by_x.items() if s.n)
     mean = np.array([by_x[x].mean for x in xs])
     err = np.array([[by_x[x].mean - by_x[x].lo for x in xs], [by_x[x].hi - by_x[x].mean for x in xs]])
-    ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, label=name)
+    ax.errorbar(xs, mean, yerr=err, marker="o", capsize=3, color=f"C{i}", label=label(name))
   if logx:
     ax.set_xscale("log", base=2)
   ticks = sorted({x for by_x in grid.values() for x in by_x})
   ax.set_xticks(ticks)
-  ax.set_xticklabels([f"{x:g}" for x in ticks])
+  ax.set_xticklabels([tick_label(x) for x in ticks])
   if ylim is not None:
     ax.set_ylim(*ylim)
   ax.set_xlabel(xlabel)
@@ -167,8 +170,4 @@ def plot_lines(path: str, grid: dict[str, dict[int, common.Spread]], xlabel: str
   ax.set_title(title)
   ax.grid(alpha=0.3)
   ax.legend(loc="best")
-  fig.tight_layout()
-  os.makedirs(os.path.dirname(path), exist_ok=True)
-  fig.savefig(path, dpi=120)
-  plt.close(fig)
-  return path
+  return fig
