@@ -39,6 +39,13 @@ else:
   _flags += "".join(" " + flag for flag in _wanted if _xla_knows(flag))
 os.environ["XLA_FLAGS"] = _flags.strip()
 
+# Many tests compile the same tiny programs (train steps, evaluators), in both workers and in the
+# commands that tests run as subprocesses: one persistent compilation cache for the whole run
+# compiles each once. JAX's variable reaches the subprocesses, whose --compilation_cache_dir
+# defaults to it; a test of the cache itself passes a folder of its own.
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                       "k3jax-tests-jax-cache")
+
 import jax  # noqa: E402
 
 try:
@@ -46,10 +53,9 @@ try:
 except Exception:  # backends already initialised (e.g. on GPU); the XLA flag above then applies.
   pass
 jax.config.update("jax_default_matmul_precision", "highest")
-# Many tests compile the same tiny programs (train steps, evaluators) in both workers: a persistent
-# compilation cache shared by the run's processes compiles each once (programs >= 1 s to compile).
-jax.config.update("jax_compilation_cache_dir",
-                  os.path.join(tempfile.gettempdir(), "k3jax-tests-jax-cache"))
+# In the test processes JAX caches the programs that take >= 1 s to compile (its default); the
+# commands cache every program (k3jax.runtime.compiler.enable_compilation_cache).
+jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -203,11 +203,11 @@ def test_tool_runs_the_commands_usage_errors():
 
 
 @pytest.mark.slow
-def test_tool_generate_runs_like_the_module(tmp_path):
+def test_tool_generate_runs_like_the_module():
   """`python -m k3jax generate ...` runs the generate command (a fresh tiny model, one token;
   `python -m k3jax.generate` itself runs in test_compiler)."""
   args = ["--gin_file=gin_configs/tiny.gin", *[f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS],
-          "--max_new_tokens=1", f"--compilation_cache_dir={tmp_path / 'cache'}"]
+          "--max_new_tokens=1"]
   # A long prompt over several lines: shown by its two ends, as text, not echoed whole.
   prompt = "first line\n" + "x" * 1200 + "\nlast line"
   tool = run_tool("generate", *args, f"--prompt={prompt}")

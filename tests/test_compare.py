@@ -28,7 +28,7 @@ RUN_BINDINGS = TINY_RUN_BINDINGS + [
     "EvalConfig.passkey_multipliers = ()", "EvalConfig.every_steps = 2",
     "EvalConfig.log_every_steps = 1"]
 # The runs differ in Config.seed alone (the initialisation): their programs are the same, so the
-# second run loads all of them from the first one's compilation cache.
+# second run loads all of them from the compilation cache (the suite's: conftest.py).
 SEEDS = {"seed0": 0, "seed1": 1}
 SEED = "Config.seed"
 
@@ -45,13 +45,13 @@ def _records(workdir: str) -> list[dict]:
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory) -> dict[str, str]:
   """{label: workdir} of two tiny runs that differ in the seed alone, trained one after the other
-  through `python -m k3jax.train` with one compilation cache."""
+  through `python -m k3jax.train`."""
   root = tmp_path_factory.mktemp("compare")
   for label, seed in SEEDS.items():
     args = [f"--gin_bindings={b}" for b in RUN_BINDINGS + [f"{SEED} = {seed}"]]
     proc = subprocess.run(
         [sys.executable, "-m", "k3jax.train", *args, f"--workdir={root / label}", "--noprogress",
-         "--notensorboard", f"--compilation_cache_dir={root / 'cache'}"], cwd=REPO, env=_env(),
+         "--notensorboard"], cwd=REPO, env=_env(),
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (label, proc.stdout, proc.stderr)
   return {label: str(root / label) for label in SEEDS}

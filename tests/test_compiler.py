@@ -131,3 +131,29 @@ def test_empty_path_disables_the_cache(tmp_path):
   out = _run(["-c", script, str(on)])
   assert out.stdout.strip() == repr(str(on))
   assert os.listdir(on)  # a sub-second compile is cached too
+
+
+def test_the_commands_default_cache_folder_follows_jax_compilation_cache_dir(monkeypatch,
+                                                                            tmp_path):
+  """--compilation_cache_dir defaults to JAX's JAX_COMPILATION_CACHE_DIR where it is set and not
+  empty, else to ~/.cache/k3jax/jax_cache; the flag still wins."""
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", str(tmp_path / "jax"))
+  assert compiler.default_compilation_cache_dir() == str(tmp_path / "jax")
+  monkeypatch.setenv("JAX_COMPILATION_CACHE_DIR", "")
+  assert compiler.default_compilation_cache_dir() == "~/.cache/k3jax/jax_cache"
+  monkeypatch.delenv("JAX_COMPILATION_CACHE_DIR")
+  assert compiler.default_compilation_cache_dir() == "~/.cache/k3jax/jax_cache"
+  # A command's flag, defined at its import from the environment of its process.
+  script = textwrap.dedent("""
+      import sys
+      from absl import flags
+      from k3jax import train
+      train.define_flags()
+      flags.FLAGS(["k3jax", "--workdir=unused"] + sys.argv[1:])
+      print(flags.FLAGS.compilation_cache_dir)
+  """)
+  out = _run(["-c", script], {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env")})
+  assert out.stdout.strip() == str(tmp_path / "env")
+  out = _run(["-c", script, f"--compilation_cache_dir={tmp_path / 'flag'}"],
+             {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "env")})
+  assert out.stdout.strip() == str(tmp_path / "flag")

@@ -5,7 +5,7 @@ README order, or is marked as an illustration (`<!-- illustration: why -->` on t
 block: one that needs GPUs or a cluster). Only what the commands point at is substituted: run
 directories go under a temporary folder, `/data/...` inputs are fixtures made here (a folder of
 text files, a JSON Lines file, an .npy of token ids, a SentencePiece model), training stops after
-one step (`--max_steps=1`), and the commands share a compilation cache. The set-up commands and
+one step (`--max_steps=1`), and the commands use the suite's compilation cache (conftest.py). The set-up commands and
 the test command are what CI itself runs (`.ci/run`). The Python block that trains runs in a
 subprocess with the same substitutions.
 """
@@ -110,17 +110,15 @@ def _substitute(arg: str, fixtures: dict[str, str], runs: str) -> str:
   return re.sub(r"(^|=|'|\")runs/", lambda m: m[1] + runs + "/", arg)
 
 
-def _k3jax_argv(argv: list[str], fixtures: dict[str, str], runs: str, cache: str) -> list[str]:
+def _k3jax_argv(argv: list[str], fixtures: dict[str, str], runs: str) -> list[str]:
   """The command as the test runs it: the installed `k3jax` script, substituted paths, one
-  training step, the shared compilation cache."""
+  training step."""
   assert argv[0] == "k3jax", f"{argv}: the README's k3jax commands start with k3jax"
   script = os.path.join(os.path.dirname(sys.executable), "k3jax")
   out = [script] + [_substitute(a, fixtures, runs) for a in argv[1:]
                     if not a.startswith("--max_steps=")]
   if argv[1] == "train":
     out.append(f"--max_steps={MAX_STEPS}")
-  if not any(a.startswith("--compilation_cache_dir=") for a in out):
-    out.append(f"--compilation_cache_dir={cache}")
   return out
 
 
@@ -129,7 +127,7 @@ def test_readme_examples_run(tmp_path):
   with open(README, encoding="utf-8") as f:
     found = blocks(f.read())
   fixtures = _make_fixtures(str(tmp_path / "data"))
-  runs, cache = str(tmp_path / "runs"), str(tmp_path / "cache")
+  runs = str(tmp_path / "runs")
   env = {**os.environ, "PYTHONUNBUFFERED": "1"}
   ran = []
   for block in found:
@@ -146,7 +144,7 @@ def test_readme_examples_run(tmp_path):
           continue
         assert is_k3jax(argv), (f"{where}: {shlex.join(argv)!r} is neither a k3jax command nor "
                                 "one CI runs: run it here or mark the block as an illustration")
-        cmd = _k3jax_argv(argv, fixtures, runs, cache)
+        cmd = _k3jax_argv(argv, fixtures, runs)
         proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=900)
         assert proc.returncode == 0, (where, shlex.join(cmd), proc.stdout[-3000:],

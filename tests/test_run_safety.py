@@ -2,7 +2,7 @@
 nothing behind: the train command in subprocesses, each case as a user would meet it.
 
 Every case trains the tests' tiny config for a step or none (--max_steps=0: set-up, restore and the
-config, no step), with one compilation cache folder for the module. Exit codes: 2 a bad setting or
+config, no step), with the suite's compilation cache (conftest.py). Exit codes: 2 a bad setting or
 a directory in use, 3 a write the filesystem refused (README.md).
 """
 
@@ -29,8 +29,9 @@ TINY = [f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS + [
 
 
 @pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-  return str(tmp_path_factory.mktemp("compile_cache"))
+def cache():
+  """The suite's compilation cache folder (conftest.py): the tiny step compiles once."""
+  return os.environ["JAX_COMPILATION_CACHE_DIR"]
 
 
 def train(workdir, cache, *args, patch: str = "", timeout: int = 600):

@@ -107,12 +107,22 @@ def lazy_jit(fun: Callable, **jit_kwargs: Any) -> Callable:
   return call
 
 
-# The CLIs' default for --compilation_cache_dir.
+# The CLIs' default for --compilation_cache_dir where JAX's own variable is not set.
 DEFAULT_COMPILATION_CACHE_DIR = "~/.cache/k3jax/jax_cache"
+# JAX's environment variable for its persistent cache folder; the CLIs' default follows it.
+CACHE_DIR_ENV = "JAX_COMPILATION_CACHE_DIR"
 COMPILATION_CACHE_FLAG_HELP = (
     "Folder of JAX's persistent compilation cache: a rerun with the same config, shapes and jax "
     "version loads the compiled initialisation and steps instead of compiling them again. "
-    "Empty disables the cache.")
+    f"Default: ${CACHE_DIR_ENV} where set, else {DEFAULT_COMPILATION_CACHE_DIR}. Empty disables "
+    "the cache.")
+
+
+def default_compilation_cache_dir() -> str:
+  """The CLIs' --compilation_cache_dir default: JAX's JAX_COMPILATION_CACHE_DIR where it is set
+  and not empty (one folder for every JAX program of the environment, k3jax's included), else
+  DEFAULT_COMPILATION_CACHE_DIR."""
+  return os.environ.get(CACHE_DIR_ENV) or DEFAULT_COMPILATION_CACHE_DIR
 
 
 def enable_compilation_cache(path: str) -> str:
@@ -145,5 +155,5 @@ def define_compilation_cache_flag() -> None:
   imported together)."""
   from absl import flags
   if "compilation_cache_dir" not in flags.FLAGS:
-    flags.DEFINE_string("compilation_cache_dir", DEFAULT_COMPILATION_CACHE_DIR,
+    flags.DEFINE_string("compilation_cache_dir", default_compilation_cache_dir(),
                         COMPILATION_CACHE_FLAG_HELP)
