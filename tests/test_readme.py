@@ -5,9 +5,9 @@ README order, or is marked as an illustration (`<!-- illustration: why -->` on t
 block: one that needs GPUs or a cluster). Only what the commands point at is substituted: run
 directories go under a temporary folder, `/data/...` inputs are fixtures made here (a folder of
 text files, a JSON Lines file, an .npy of token ids, a SentencePiece model), training stops after
-one step (`--max_steps=1`), and the commands use the suite's compilation cache (conftest.py). The set-up commands and
-the test command are what CI itself runs (`.ci/run`). The Python block that trains runs in a
-subprocess with the same substitutions.
+one step (`--max_steps=1`), and the commands use the suite's compilation cache (conftest.py). The
+set-up commands and the test command are what CI itself runs (`.ci/run`). The Python block that
+trains runs in a subprocess with the same substitutions.
 """
 
 import json
