@@ -42,7 +42,9 @@ os.environ["XLA_FLAGS"] = _flags.strip()
 # Many tests compile the same tiny programs (train steps, evaluators), in both workers and in the
 # commands that tests run as subprocesses: one persistent compilation cache for the whole run
 # compiles each once. JAX's variable reaches the subprocesses, whose --compilation_cache_dir
-# defaults to it; a test of the cache itself passes a folder of its own.
+# defaults to it; a test of the cache itself passes a folder of its own. JAX reads the variable at
+# import: the test processes cache the programs that take >= 1 s to compile (its default), the
+# commands every program (k3jax.runtime.compiler.enable_compilation_cache).
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
                                                        "k3jax-tests-jax-cache")
 
@@ -53,9 +55,6 @@ try:
 except Exception:  # backends already initialised (e.g. on GPU); the XLA flag above then applies.
   pass
 jax.config.update("jax_default_matmul_precision", "highest")
-# In the test processes JAX caches the programs that take >= 1 s to compile (its default); the
-# commands cache every program (k3jax.runtime.compiler.enable_compilation_cache).
-jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
 
 
 def pytest_collection_modifyitems(config, items):

@@ -28,13 +28,7 @@ TINY = [f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS + [
     "CheckpointConfig.async_save = False"]]
 
 
-@pytest.fixture(scope="module")
-def cache():
-  """The suite's compilation cache folder (conftest.py): the tiny step compiles once."""
-  return os.environ["JAX_COMPILATION_CACHE_DIR"]
-
-
-def train(workdir, cache, *args, patch: str = "", timeout: int = 600):
+def train(workdir, *args, patch: str = "", timeout: int = 600):
   """`k3jax train` on the tiny config; `patch`: Python run in the process first (an injected
   failure)."""
   script = textwrap.dedent(patch) + textwrap.dedent("""
@@ -45,7 +39,7 @@ def train(workdir, cache, *args, patch: str = "", timeout: int = 600):
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
              JAX_PLATFORMS="cpu")
   return subprocess.run([sys.executable, "-c", script, f"--workdir={workdir}", "--noprogress",
-                         "--notensorboard", f"--compilation_cache_dir={cache}", *TINY, *args],
+                         "--notensorboard", *TINY, *args],
                         cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
 
 
@@ -87,7 +81,7 @@ def dead_pid() -> int:
 # ------------------------------------------------------------------------------------------------
 
 @pytest.mark.slow
-def test_a_second_trainer_stops_at_once_and_the_first_runs_alone(tmp_path, cache):
+def test_a_second_trainer_stops_at_once_and_the_first_runs_alone(tmp_path):
   """While a first trainer holds the directory (its lock file exists), a second one with another
   learning rate exits 2 with one line naming the holder; the first finishes as if alone: its own
   config, each step logged once, its checkpoints."""
@@ -96,14 +90,14 @@ def test_a_second_trainer_stops_at_once_and_the_first_runs_alone(tmp_path, cache
              JAX_PLATFORMS="cpu")
   first = subprocess.Popen(
       [sys.executable, "-m", "k3jax.train", f"--workdir={workdir}", "--noprogress",
-       "--notensorboard", f"--compilation_cache_dir={cache}", *TINY, "--max_steps=3"],
+       "--notensorboard", *TINY, "--max_steps=3"],
       cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
   lock = workdir / run_dir.LOCK_FILE
   while not lock.exists() and first.poll() is None:
     time.sleep(0.05)
   assert first.poll() is None, first.communicate()
   holder = json.loads(lock.read_text())
-  second = train(workdir, cache, "--gin_bindings=OptimizerConfig.learning_rate = 0.5",
+  second = train(workdir, "--gin_bindings=OptimizerConfig.learning_rate = 0.5",
                  "--max_steps=3")
   out, err = first.communicate(timeout=600)
   assert holder["pid"] == first.pid
@@ -127,14 +121,14 @@ def test_a_second_trainer_stops_at_once_and_the_first_runs_alone(tmp_path, cache
     # A live process of this host (this test's own): the directory is in use.
     ("alive_here", [], 2, "is in use by another training run"),
 ], ids=["stale_here", "other_host", "other_host_taken", "alive_here"])
-def test_a_lock_left_behind(tmp_path, cache, holder, args, code, message):
+def test_a_lock_left_behind(tmp_path, holder, args, code, message):
   workdir = tmp_path / "run"
   host = run_dir.socket.gethostname()
   lock_file(workdir, **{"dead_here": dict(host=host, pid=dead_pid()),
                         "other_host": dict(host="another-host", pid=os.getpid()),
                         "alive_here": dict(host=host, pid=os.getpid())}[holder])
   before = listing(workdir)
-  proc = train(workdir, cache, "--max_steps=0", *args)
+  proc = train(workdir, "--max_steps=0", *args)
   if code:
     one_line(proc, code, message)
     assert listing(workdir) == before       # nothing touched
@@ -210,9 +204,9 @@ WRITE_SITES = {
 
 
 @pytest.mark.parametrize("site", list(WRITE_SITES))
-def test_a_refused_write_is_one_line_and_the_last_checkpoint_restores(tmp_path, cache, site):
+def test_a_refused_write_is_one_line_and_the_last_checkpoint_restores(tmp_path, site):
   workdir = tmp_path / "run"
-  proc = train(workdir, cache, "--max_steps=3", patch=WRITE_SITES[site])
+  proc = train(workdir, "--max_steps=3", patch=WRITE_SITES[site])
   if site == "metrics_permission":
     line = one_line(proc, 3, "permission denied: writing metrics.jsonl failed", "Nothing was lost",
                     "give this user write access to the run directory")
@@ -230,7 +224,7 @@ def test_a_refused_write_is_one_line_and_the_last_checkpoint_restores(tmp_path, 
     return   # resuming after a refused write is the same for every site (the suite's time)
   # The same command resumes from that checkpoint once the disk has room again: the half-written
   # checkpoint is gone.
-  again = train(workdir, cache, "--max_steps=3")
+  again = train(workdir, "--max_steps=3")
   assert again.returncode == 0, again.stderr[-3000:]
   assert (f"resuming from step {last}" in again.stdout or last == 3), again.stdout
 
@@ -276,7 +270,7 @@ _SMALL_DISK = """
 
 
 @pytest.mark.slow
-def test_a_small_disk_that_fills(tmp_path, cache):
+def test_a_small_disk_that_fills(tmp_path):
   """On an 8 MiB filesystem (a tmpfs where this machine lets a test mount one, else one simulated
   in the process): the run stops at the checkpoint that no longer fits, in one line, and the last
   complete one restores."""
@@ -285,7 +279,7 @@ def test_a_small_disk_that_fills(tmp_path, cache):
   mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount)],
                            capture_output=True).returncode == 0
   try:
-    proc = train(mount / "run", cache, "--max_steps=40",
+    proc = train(mount / "run", "--max_steps=40",
                  "--gin_bindings=StagesConfig.stages = ((16, 40),)",
                  "--gin_bindings=CheckpointConfig.keep_last = 100",
                  patch="" if mounted else _SMALL_DISK)
@@ -304,20 +298,20 @@ def test_a_small_disk_that_fills(tmp_path, cache):
 # Start-ups that fail
 # ------------------------------------------------------------------------------------------------
 
-def test_a_schedule_that_no_longer_reaches_the_checkpoint(tmp_path, cache):
+def test_a_schedule_that_no_longer_reaches_the_checkpoint(tmp_path):
   """A run at step 3 restarted with stages of 2 steps in all: one line naming the step and the
   stages, and the run directory untouched."""
   workdir = tmp_path / "run"
-  assert train(workdir, cache, "--max_steps=3").returncode == 0
+  assert train(workdir, "--max_steps=3").returncode == 0
   before = listing(workdir)
-  proc = train(workdir, cache, "--gin_bindings=StagesConfig.stages = ((16, 2),)")
+  proc = train(workdir, "--gin_bindings=StagesConfig.stages = ((16, 2),)")
   one_line(proc, 2, "holds checkpoint step 3, past the end of StagesConfig.stages = ((16, 2),)",
            "(2 steps)")
   assert listing(workdir) == before
 
 
 @pytest.mark.parametrize("case", ["bad_data", "init_fails"])
-def test_a_failed_start_up_leaves_no_workdir(tmp_path, cache, case):
+def test_a_failed_start_up_leaves_no_workdir(tmp_path, case):
   """Data that cannot be read stops before any directory is made; a start-up that fails later
   (here the state's initialisation) removes the directory it made."""
   workdir = tmp_path / "run"
@@ -325,11 +319,11 @@ def test_a_failed_start_up_leaves_no_workdir(tmp_path, cache, case):
     corpus = tmp_path / "corpus"
     corpus.mkdir()
     (corpus / "latin1.txt").write_bytes("café".encode("latin-1") * 100)
-    proc = train(workdir, cache, "--gin_bindings=DataConfig.source = 'text'",
+    proc = train(workdir, "--gin_bindings=DataConfig.source = 'text'",
                  f"--gin_bindings=DataConfig.path = '{corpus}'")
     one_line(proc, 2, "latin1.txt")
   else:
-    proc = train(workdir, cache, patch="""
+    proc = train(workdir, patch="""
         from k3jax.training import loop
         def failing(*args, **kwargs):
           raise RuntimeError("the initialisation failed")
