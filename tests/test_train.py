@@ -14,7 +14,6 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 import pytest
 
 from k3jax import config as config_lib
@@ -463,7 +462,9 @@ def test_microbatches_give_the_whole_batch_gradient():
   _, _, m_micro = _one_step(["ModelConfig.moe_balance = 'none'",
                              "StagesConfig.microbatch_tokens = 16"])
   assert abs(float(m_micro["loss"]) - float(loss)) <= 1e-6 * float(loss)
-  grad_norm = float(optax.global_norm(grads))
+  # On host: eagerly, optax.global_norm would compile its square and sum for every leaf shape.
+  grad_norm = float(np.sqrt(sum(np.sum(np.square(np.asarray(g, np.float64)))
+                                for g in jax.tree.leaves(jax.device_get(grads)))))
   assert abs(float(m_micro["grad_norm"]) - grad_norm) <= 1e-5 * grad_norm
 
 
