@@ -38,8 +38,9 @@ def _batches(cfg: config_lib.Config, num: int) -> list[dict]:
 def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
          compiled: bool = False, cast_once: bool = True):
   """`steps` training steps with RuntimeConfig.microbatch_loop = `loop`: (final state, per-step
-  metrics), on host. compiled: the steps run through `step.lower(...).compile()` (train_bench's
-  way) instead of the step itself. cast_once: the host loop's (`HostLoopStep`)."""
+  metrics), on host. compiled: the steps run through one `step.lower(...).compile()` of the first
+  step's arguments (train_bench's way; the batches share their shapes) instead of the step itself.
+  cast_once: the host loop's (`HostLoopStep`)."""
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
       f"RuntimeConfig.microbatch_loop = {loop!r}", f"MeshConfig.axes = {mesh_axes!r}"])
   mesh = sharding_lib.make_run_mesh(cfg)
@@ -51,11 +52,12 @@ def _run(loop: str, bindings: list[str], steps: int = 2, mesh_axes: str = "",
     step._cast_once = False   # pylint: disable=protected-access
   place = (lambda b: jax.tree.map(jnp.asarray, b)) if mesh is None else \
       (lambda b: sharding_lib.shard_batch(b, mesh))
-  metrics = []
+  metrics, fn = [], None
   with sharding_lib.with_mesh(mesh) if mesh is not None else contextlib.nullcontext():
     for batch in _batches(cfg, steps):
       batch = place(batch)
-      fn = step.lower(state, batch).compile() if compiled else step
+      if fn is None:
+        fn = step.lower(state, batch).compile() if compiled else step
       state, m = fn(state, batch)
       metrics.append(jax.device_get(m))
   if mesh is not None:
@@ -115,7 +117,7 @@ def test_host_loop_equals_scan(bindings):
 ], ids=["2_micro", "1_micro"])
 def test_host_loop_lowered_and_compiled_equals_its_call(bindings, programs):
   """`lower(state, batch).compile()` (what train_bench times) runs the same programs, named for
-  the 'train_step' dump filter, with the call's results."""
+  the 'train_step' dump filter, with the call's results: a step of each from the same state."""
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
       "RuntimeConfig.microbatch_loop = 'host'"])
   state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
@@ -125,8 +127,11 @@ def test_host_loop_lowered_and_compiled_equals_its_call(bindings, programs):
   compiled = step.lower(state, batch).compile()
   assert sorted(compiled.programs) == programs
   assert all(c.memory_analysis() is not None for c in compiled.programs.values())
-  _assert_same_training(_run("host", bindings, steps=1, compiled=True),
-                        _run("host", bindings, steps=1))
+  # Each run donates its own copy of the initial state, placed as `init_train_state` places it.
+  initial = jax.device_get(state)
+  runs = [jax.device_get(fn(jax.device_put(initial, jax.devices()[0]), batch))
+          for fn in (compiled, step)]
+  _assert_same_training(*[(new_state, [metrics]) for new_state, metrics in runs])
 
 
 def test_host_loop_casts_the_weights_once_with_the_same_training():
@@ -141,7 +146,9 @@ def test_host_loop_casts_the_weights_once_with_the_same_training():
               "ModelConfig.num_layers = 6", "ImplConfig.scan_layers = True"]
   cfg = config_lib.from_gin([], TINY_RUN_BINDINGS + bindings + [
       "RuntimeConfig.microbatch_loop = 'host'"])
-  state, optimizer, schedule = train_lib.init_train_state(cfg, total_steps=10)
+  # The cast dtypes depend on the shapes alone: the state's shapes, not its values (whose
+  # initialisation `_run` compiles).
+  state, optimizer, schedule = train_lib.train_state_shapes(cfg, total_steps=10)
   step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), optimizer, schedule)
   batch = jax.tree.map(jnp.asarray, _batches(cfg, 1)[0])
   dtypes, _ = step._info(state.params, state.moe_state, batch, 2)  # pylint: disable=W0212
@@ -154,7 +161,7 @@ def test_host_loop_casts_the_weights_once_with_the_same_training():
   assert by_name("scanned") >= {jnp.dtype(jnp.bfloat16)}
   # Read in fp32: the router's weight (as bf16 pieces, not a cast), the embedding, norm scales.
   assert by_name("router") == by_name("embedding") == by_name("scale") == {None}
-  copies = param_casts.narrow_copies(state.params, list(dtypes))
+  copies = jax.eval_shape(lambda p: param_casts.narrow_copies(p, list(dtypes)), state.params)
   assert {x.dtype for x in jax.tree.leaves(copies)} == {jnp.dtype(jnp.bfloat16)}
   once = _run("host", bindings, compiled=True)
   every = _run("host", bindings, compiled=True, cast_once=False)
