@@ -136,7 +136,7 @@ def _random_variables(cfg, seed):
       std = 0.1
     elif name.endswith("['embedding']"):
       std = 1.0
-    return jnp.asarray(mean + std * rng.standard_normal(x.shape), x.dtype)
+    return np.asarray(mean + std * rng.standard_normal(x.shape), x.dtype)
 
   return jax.tree_util.tree_map_with_path(value, shapes)
 
@@ -157,40 +157,60 @@ def _stacked(tree, plan):
   out = {k: v for k, v in tree.items()
          if not (k.startswith("layer_") and int(k[len("layer_"):]) in plan.scanned_layers)}
   out[plan.scan_name] = {
-      f"layer_{j}": jax.tree.map(lambda *xs: jnp.stack(xs),
+      # On host for the variables (numpy): eagerly, each leaf shape would compile a stack.
+      f"layer_{j}": jax.tree.map(lambda *xs: (np.stack if isinstance(xs[0], np.ndarray)
+                                              else jnp.stack)(xs),
                                  *[tree[f"layer_{j + g * plan.period}"]
                                    for g in range(plan.num_groups)])
       for j in plan.group_layers if f"layer_{j}" in tree}
   return out
 
 
-def _check(cfg, impl, loop_variables, tokens, segment_ids, cotangent):
-  """The model of `cfg` and `impl` (its variables: `loop_variables`, stacked by hand when it is
-  scanned) against the reference: logits, and the gradients of <logits, cotangent> for every
-  parameter."""
-  plan = layer_plan(cfg, impl.scan_layers)
-  layout = (lambda tree: _stacked(tree, plan)) if plan.num_groups else (lambda tree: tree)
-  variables = {name: layout(tree) for name, tree in loop_variables.items()}
-  shapes = jax.eval_shape(lambda: K3Model(cfg, impl).init(jax.random.PRNGKey(0),
-                                                         jnp.zeros((1, 8), jnp.int32)))
-  assert jax.tree.structure(nn.meta.unbox(shapes)) == jax.tree.structure(variables)
+def _check(cfg, impls, loop_variables, tokens, segment_ids, cotangent):
+  """The models of `cfg` and each of `impls` (their variables: `loop_variables`, stacked by hand
+  where the decoder is scanned) against the reference, computed once for them all: logits, and the
+  gradients of <logits, cotangent> for every parameter."""
+  layouts, all_variables = [], []
+  for impl in impls:
+    plan = layer_plan(cfg, impl.scan_layers)
+    layout = (lambda tree, plan=plan: _stacked(tree, plan)) if plan.num_groups else (
+        lambda tree: tree)
+    variables = {name: layout(tree) for name, tree in loop_variables.items()}
+    shapes = jax.eval_shape(lambda impl=impl: K3Model(cfg, impl).init(
+        jax.random.PRNGKey(0), jnp.zeros((1, 8), jnp.int32)))
+    assert jax.tree.structure(nn.meta.unbox(shapes)) == jax.tree.structure(variables)
+    layouts.append(layout)
+    all_variables.append(variables)
 
-  def model_logits(params):
-    return K3Model(cfg, impl).apply({**variables, "params": params}, tokens, segment_ids)
+  def model_logits(impl, variables):
+    return lambda params: K3Model(cfg, impl).apply({**variables, "params": params}, tokens,
+                                                   segment_ids)
 
   def ref_logits(params):
-    return reference_logits(cfg, impl, params, loop_variables.get("moe_state", {}), tokens,
+    # The sublayers do not depend on the decoder's layout: the first impl's serve every model.
+    return reference_logits(cfg, impls[0], params, loop_variables.get("moe_state", {}), tokens,
                             segment_ids)
 
   def value_and_grads(fn, params):
     logits, vjp = jax.vjp(fn, params)
     return logits, vjp(cotangent)[0]
 
-  run = jax.jit(lambda p, loop_p: (value_and_grads(model_logits, p),
-                                   value_and_grads(ref_logits, loop_p)))
-  (logits, grads), (ref, ref_grads) = run(variables["params"], loop_variables["params"])
+  # One program: the reference's compile is shared by the models.
+  def run(ps, loop_p):
+    ref, ref_grads = value_and_grads(ref_logits, loop_p)
+    return ref, [(*value_and_grads(model_logits(impl, v), p), layout(ref_grads))
+                 for impl, v, p, layout in zip(impls, all_variables, ps, layouts)]
+  # One program: the reference's compile is shared by the models, and its gradients are stacked
+  # into each model's layout without an eager program per leaf shape.
+  ref, results = jax.jit(run)([v["params"] for v in all_variables], loop_variables["params"])
+  for logits, grads, ref_grads in results:
+    _compare(logits, grads, ref, ref_grads)
+
+
+def _compare(logits, grads, ref, ref_grads):
+  """Logits against the reference's, and gradients against `ref_grads` (in the model's layout)."""
   assert error_ratio(logits, ref) < 1e-5
-  want = dict(jax.tree_util.tree_leaves_with_path(layout(ref_grads)))
+  want = dict(jax.tree_util.tree_leaves_with_path(ref_grads))
   got = dict(jax.tree_util.tree_leaves_with_path(grads))
   assert set(got) == set(want)
   queries = []
@@ -217,8 +237,9 @@ def _check(cfg, impl, loop_variables, tokens, segment_ids, cotangent):
 # (num_layers, attnres_block_size, mla_every, experts): a block boundary at every layer i > 0 with
 # i % attnres_block_size == 0. All-MLA decoders where the layer kind does not matter (KDA's chunked
 # scan is the costly compile on CPU); experts 0: the dense FFN in every layer.
+# The per-layer decoder of blocks {0,1} {2,3} {4} (a boundary at the last layer, MoE) is checked by
+# the scanned test's boundary_at_last_layer, against the reference that the scanned one shares.
 UNROLLED = [
-    pytest.param(5, 2, 1, 4, id="boundary_at_last_layer"),   # blocks {0,1} {2,3} {4}
     pytest.param(5, 3, 1, 0, id="tail_block"),               # {0,1,2} {3,4}
     pytest.param(3, 1, 1, 0, id="one_layer_blocks"),         # a block per layer
     pytest.param(3, 8, 1, 0, id="one_block"),                # no boundary after the embedding
@@ -231,20 +252,27 @@ def test_per_layer_decoder_matches_reference(num_layers, block_size, mla_every, 
   cfg = _cfg(num_layers, block_size, mla_every, experts)
   impl = ImplConfig(scan_layers=False)
   assert layer_plan(cfg, impl.scan_layers).num_groups == 0
-  _check(cfg, impl, _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))
+  _check(cfg, [impl], _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))
 
 
-# Scanned decoders: dense layer 0, two groups of `period` layers, then the suffix.
+# Scanned decoders: dense layer 0, two groups of `period` layers, then the suffix. per_layer: the
+# per-layer decoder of the same config too.
 SCANNED = [
-    pytest.param(5, 2, 1, 4, id="boundary_at_last_layer"),   # scan 1-4; blocks {0,1} {2,3} {4}
-    pytest.param(6, 2, 1, 4, id="suffix_in_last_block"),     # scan 1-4, suffix 5 in block {4,5}
+    pytest.param(5, 2, 1, 4, True, id="boundary_at_last_layer"),  # scan 1-4; blocks {0,1} {2,3} {4}
+    pytest.param(6, 2, 1, 4, False, id="suffix_in_last_block"),   # scan 1-4, suffix 5 in {4,5}
 ]
 
 
-@pytest.mark.parametrize("num_layers,block_size,mla_every,experts", SCANNED)
-def test_scanned_decoder_matches_reference(num_layers, block_size, mla_every, experts):
+@pytest.mark.parametrize("num_layers,block_size,mla_every,experts,per_layer", SCANNED)
+def test_scanned_decoder_matches_reference(num_layers, block_size, mla_every, experts, per_layer):
+  """The scanned decoder against the reference; with `per_layer` the per-layer decoder of the same
+  config as well, in the same program against the same reference."""
   cfg = _cfg(num_layers, block_size, mla_every, experts)
   impl = ImplConfig(scan_layers=True)
   plan = layer_plan(cfg, impl.scan_layers)
   assert plan.num_groups == 2 and plan.prefix == (0,)
-  _check(cfg, impl, _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))
+  impls = [impl]
+  if per_layer:
+    impls.append(ImplConfig(scan_layers=False))
+    assert layer_plan(cfg, False).num_groups == 0
+  _check(cfg, impls, _random_variables(cfg, seed=num_layers), *_inputs(cfg, seed=num_layers))

@@ -8,6 +8,7 @@ devices, every output and gradient of the split computation equals the unsplit o
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 
 import jax
@@ -85,11 +86,20 @@ def kda_loss_and_grads(backend):
   return fn
 
 
+@functools.lru_cache(maxsize=None)
+def _one_device_kda_run():
+  """The one-device output and gradients of test_kda_over_slices_equals_one_device (host arrays),
+  computed once for its meshes."""
+  (q, k, v, gate_x, beta, seg), (a_log, dt_bias), w = kda_inputs()
+  return jax.device_get(on_mesh("", kda_loss_and_grads("xla"), q, k, v, gate_x, beta, seg, w,
+                                a_log, dt_bias))
+
+
 @pytest.mark.parametrize("spec", ["context:8", "data:2,context:4"])
 def test_kda_over_slices_equals_one_device(spec):
   (q, k, v, gate_x, beta, seg), (a_log, dt_bias), w = kda_inputs()
   fn = kda_loss_and_grads("xla")
-  want = on_mesh("", fn, q, k, v, gate_x, beta, seg, w, a_log, dt_bias)
+  want = _one_device_kda_run()
   got = on_mesh(spec, fn, q, k, v, gate_x, beta, seg, w, a_log, dt_bias)
   assert_close(got, want)
 
@@ -202,17 +212,39 @@ def model_loss_and_grads(cfg):
   return fn
 
 
+# Three layers: KDA + dense FFN, then MLA + MoE twice (the last layer is MLA), an AttnRes block
+# boundary at layer 2. Every sublayer kind and their context splitting is in it; model_cfg's four
+# layers would add a second KDA layer (KDA's chunked scan is the costly compile on CPU), whose
+# slicing the first already checks.
+MODEL_TEST_LAYERS = {"ModelConfig.num_layers": 3}
+
+
+@functools.lru_cache(maxsize=None)
+def _one_device_model_run():
+  """The one-device loss, gradients and balance statistics of the model test (host arrays),
+  computed once for its meshes."""
+  from testlib import tiny_variables
+  cfg = model_cfg(**MODEL_TEST_LAYERS)
+  variables = tiny_variables(cfg.model, cfg.impl)
+  tokens, seg = model_batch()
+  return jax.device_get(on_mesh("", model_loss_and_grads(cfg), tokens, seg, variables["params"],
+                                variables["moe_state"]))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("spec", ["context:8", "data:2,context:4", "context:2,expert:4"])
 def test_model_loss_gradients_and_balance_statistics_equal_one_device(spec):
-  """The tiny model (KDA, MLA, MoE with QB, AttnRes) on packed rows: the loss, every parameter's
-  gradient and the MoE layers' QB histograms (pooled over the slices) equal one device's."""
+  """The tiny model (3 layers: KDA, MLA, MLA; MoE with QB after the first; AttnRes) on packed rows:
+  the loss, every parameter's gradient and the MoE layers' QB histograms (pooled over the slices)
+  equal one device's."""
   from testlib import tiny_variables
-  cfg = model_cfg()
+  cfg = model_cfg(**MODEL_TEST_LAYERS)
+  assert [(cfg.model.layer_kind(i), cfg.model.layer_uses_moe(i)) for i in range(3)] == [
+      ("kda", False), ("mla", True), ("mla", True)]
   variables = tiny_variables(cfg.model, cfg.impl)
   tokens, seg = model_batch()
   fn = model_loss_and_grads(cfg)
-  want = on_mesh("", fn, tokens, seg, variables["params"], variables["moe_state"])
+  want = _one_device_model_run()
   got = on_mesh(spec, fn, tokens, seg, variables["params"], variables["moe_state"])
   assert abs(float(got[0]) - float(want[0])) <= 1e-5 * abs(float(want[0]))
   assert_close(got[1], want[1])

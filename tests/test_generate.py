@@ -14,7 +14,7 @@ from k3jax.config import ImplConfig
 from k3jax.generate import describe_prompt
 from k3jax.model import K3Model
 from k3jax.model.decode import decode_forward, generate, init_cache, sample_token
-from testlib import tiny_variables
+from test_model import random_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
 # The implementation settings every test decodes with (the defaults: the scanned layout where the
@@ -44,7 +44,16 @@ def _setup():
   cfg = config_lib.from_gin([os.path.join(GIN_DIR, "tiny.gin")]).model
   cfg = dataclasses.replace(cfg, kda_chunk_size=16)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, _LENGTH), 0, cfg.vocab_size)
-  return cfg, tokens, tiny_variables(cfg, IMPL)
+  return cfg, tokens, _variables(cfg)
+
+
+@functools.lru_cache(maxsize=None)
+def _variables(cfg):
+  """Random variables of K3Model(cfg, IMPL) (test_model's `random_variables`: non-zero DepthMix
+  queries and QB biases, so that the mixes are not uniform and routing depends on the bias), drawn
+  in numpy: decoding must reproduce the full forward whatever the values, and the initialisers
+  need no compile. Shared between tests: do not mutate."""
+  return random_variables(cfg, IMPL, seed=0)
 
 
 def test_prefill_then_steps_equal_full_forward():
@@ -101,11 +110,9 @@ def test_decoding_the_scanned_decoder_equals_its_full_forward():
                             kda_head_dim=16, kda_value_dim=16, mla_kv_lora_rank=16,
                             mla_qk_nope_dim=16, mla_v_dim=16, dense_ffn_dim=32)
   tokens = jax.random.randint(jax.random.PRNGKey(5), (2, 11), 0, cfg.vocab_size)
-  variables = tiny_variables(cfg, IMPL)
-  # Non-zero DepthMix queries, so that the mixes over the stacked blocks are not uniform.
-  variables = jax.tree_util.tree_map_with_path(
-      lambda p, x: 0.5 * jnp.cos(jnp.arange(x.size, dtype=x.dtype).reshape(x.shape))
-      if jax.tree_util.keystr(p).endswith("['query']") else x, variables)
+  # Non-zero DepthMix queries (`_variables`), so that the mixes over the stacked blocks are not
+  # uniform.
+  variables = _variables(cfg)
   cache = init_cache(cfg, tokens.shape[0], tokens.shape[1], IMPL)
   assert cache["scanned_period_2"]["layer_2"]["kda"]["kda_state"].shape[:2] == (2, 2)
   assert cache["scanned_period_2"]["layer_1"]["mla"]["cached_ckv"].shape == (2, 2, 11, 16)

@@ -226,17 +226,34 @@ def test_scan_layers_is_validated():
     ImplConfig(scan_layers="yes").validate()
 
 
-def _randomised(variables: dict, seed: int) -> dict:
-  """The variables with the zero-initialised DepthMix queries and QB biases set to random values
-  (so that the mixes are not uniform and routing depends on the bias)."""
+def random_variables(cfg, impl, seed: int) -> dict:
+  """Random values, drawn in numpy, for every variable of K3Model(cfg, impl): the distributions
+  of the initialisers (weights N(0, init_std²), KDA's A_log = log U(1, 16), dt_bias from
+  dt log-uniform in [1e-3, 1e-1], the convolutions' U(-1/2, 1/2)), except that the norm gains are
+  1 + N(0, 0.1²) and the zero-initialised DepthMix queries and QB biases N(0, 0.3²) (so that the
+  mixes are not uniform and routing depends on the bias). Compiling the initialisers instead
+  (`tiny_variables`) costs as much CPU as a forward pass of the tests' decoders."""
   rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0),
+                                                               impl=impl)))
 
   def value(path, x):
-    if jax.tree_util.keystr(path).endswith("['query']") or \
-        jax.tree_util.keystr(path).endswith("['bias']"):
-      return jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
-    return x
-  return jax.tree_util.tree_map_with_path(value, variables)
+    name = jax.tree_util.keystr(path)
+    if name.endswith("['query']") or name.endswith("['bias']"):
+      v = 0.3 * rng.standard_normal(x.shape)
+    elif name.endswith("['scale']") or name.endswith("['o_norm']"):
+      v = 1 + 0.1 * rng.standard_normal(x.shape)
+    elif name.endswith("['A_log']"):
+      v = np.log(rng.uniform(1, 16, x.shape))
+    elif name.endswith("['dt_bias']"):
+      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), x.shape))
+      v = dt + np.log(-np.expm1(-dt))
+    elif name.endswith("_conv']['kernel']"):
+      v = rng.uniform(-0.5, 0.5, x.shape)
+    else:
+      v = cfg.init_std * rng.standard_normal(x.shape)
+    return np.asarray(v, x.dtype)
+  return jax.tree_util.tree_map_with_path(value, shapes)
 
 
 def _loss_and_grads(cfg, impl, variables, tokens, segments):
@@ -266,7 +283,7 @@ def test_scan_equals_loop():
   test_prenorm_scan_equals_loop.)"""
   cfg = scan_cfg(moe_qb_histogram_bins=0)
   loop_impl = ImplConfig(scan_layers=False)
-  loop_vars = _randomised(tiny_variables(cfg, loop_impl), seed=3)
+  loop_vars = random_variables(cfg, loop_impl, seed=3)
   # In one program: eagerly, each stacked leaf shape would compile its own concatenation.
   scan_vars = jax.jit(unrolled_to_scanned, static_argnums=1)(loop_vars, cfg)
   abstract = jax.eval_shape(lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0))))
@@ -306,7 +323,7 @@ def test_prenorm_scan_equals_loop():
   cfg = scan_cfg(attnres=False, moe_qb_histogram_bins=0)
   loop_impl = ImplConfig(scan_layers=False)
   assert layer_plan(cfg).num_groups == 2
-  loop_vars = _randomised(tiny_variables(cfg, loop_impl), seed=4)
+  loop_vars = random_variables(cfg, loop_impl, seed=4)
   scan_vars = jax.jit(unrolled_to_scanned, static_argnums=1)(loop_vars, cfg)   # one program
   tokens = jax.random.randint(jax.random.PRNGKey(6), (2, 16), 0, cfg.vocab_size)
   segments = jnp.ones((2, 16), jnp.int32).at[1, 9:].set(2)
