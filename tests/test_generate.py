@@ -14,7 +14,7 @@ from k3jax.config import ImplConfig
 from k3jax.generate import describe_prompt
 from k3jax.model import K3Model
 from k3jax.model.decode import decode_forward, generate, init_cache, sample_token
-from test_model import random_variables
+from testlib import random_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
 # The implementation settings every test decodes with (the defaults: the scanned layout where the
@@ -49,7 +49,7 @@ def _setup():
 
 @functools.lru_cache(maxsize=None)
 def _variables(cfg):
-  """Random variables of K3Model(cfg, IMPL) (test_model's `random_variables`: non-zero DepthMix
+  """Random variables of K3Model(cfg, IMPL) (testlib's `random_variables`: non-zero DepthMix
   queries and QB biases, so that the mixes are not uniform and routing depends on the bias), drawn
   in numpy: decoding must reproduce the full forward whatever the values, and the initialisers
   need no compile. Shared between tests: do not mutate."""

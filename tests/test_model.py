@@ -16,7 +16,7 @@ from k3jax.model import K3Model, count_params, init_variables, layer_plan
 from k3jax.model import scanned_to_unrolled, to_layout, unrolled_to_scanned
 from k3jax.model.stats import moe_stats_by_layer
 from k3jax.training import optim as optim_lib
-from testlib import error_ratio, tiny_variables
+from testlib import error_ratio, random_variables, tiny_variables
 
 GIN_DIR = os.path.join(os.path.dirname(__file__), "..", "gin_configs")
 
@@ -224,36 +224,6 @@ def test_layer_plan():
 def test_scan_layers_is_validated():
   with pytest.raises(config_lib.ConfigError, match=r"ImplConfig\.scan_layers"):
     ImplConfig(scan_layers="yes").validate()
-
-
-def random_variables(cfg, impl, seed: int) -> dict:
-  """Random values, drawn in numpy, for every variable of K3Model(cfg, impl): the distributions
-  of the initialisers (weights N(0, init_std²), KDA's A_log = log U(1, 16), dt_bias from
-  dt log-uniform in [1e-3, 1e-1], the convolutions' U(-1/2, 1/2)), except that the norm gains are
-  1 + N(0, 0.1²) and the zero-initialised DepthMix queries and QB biases N(0, 0.3²) (so that the
-  mixes are not uniform and routing depends on the bias). Compiling the initialisers instead
-  (`tiny_variables`) costs as much CPU as a forward pass of the tests' decoders."""
-  rng = np.random.default_rng(seed)
-  shapes = jax.eval_shape(lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0),
-                                                               impl=impl)))
-
-  def value(path, x):
-    name = jax.tree_util.keystr(path)
-    if name.endswith("['query']") or name.endswith("['bias']"):
-      v = 0.3 * rng.standard_normal(x.shape)
-    elif name.endswith("['scale']") or name.endswith("['o_norm']"):
-      v = 1 + 0.1 * rng.standard_normal(x.shape)
-    elif name.endswith("['A_log']"):
-      v = np.log(rng.uniform(1, 16, x.shape))
-    elif name.endswith("['dt_bias']"):
-      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), x.shape))
-      v = dt + np.log(-np.expm1(-dt))
-    elif name.endswith("_conv']['kernel']"):
-      v = rng.uniform(-0.5, 0.5, x.shape)
-    else:
-      v = cfg.init_std * rng.standard_normal(x.shape)
-    return np.asarray(v, x.dtype)
-  return jax.tree_util.tree_map_with_path(value, shapes)
 
 
 def _loss_and_grads(cfg, impl, variables, tokens, segments):

@@ -40,6 +40,39 @@ def tiny_variables(cfg, impl=None) -> dict:
   return nn.meta.unbox(init(cfg, jax.random.PRNGKey(0), 1, 8))
 
 
+def random_variables(cfg, impl, seed: int) -> dict:
+  """Random values, drawn in numpy, for every variable of K3Model(cfg, impl): the distributions
+  of the initialisers (weights N(0, init_std²), KDA's A_log = log U(1, 16), dt_bias from
+  dt log-uniform in [1e-3, 1e-1], the convolutions' U(-1/2, 1/2)), except that the norm gains are
+  1 + N(0, 0.1²) and the zero-initialised DepthMix queries and QB biases N(0, 0.3²) (so that the
+  mixes are not uniform and routing depends on the bias). Compiling the initialisers instead
+  (`tiny_variables`) costs as much CPU as a forward pass of the tests' decoders."""
+  import flax.linen as nn
+  import jax
+  from k3jax.model import init_variables
+  rng = np.random.default_rng(seed)
+  shapes = jax.eval_shape(lambda: nn.meta.unbox(init_variables(cfg, jax.random.PRNGKey(0),
+                                                               impl=impl)))
+
+  def value(path, x):
+    name = jax.tree_util.keystr(path)
+    if name.endswith("['query']") or name.endswith("['bias']"):
+      v = 0.3 * rng.standard_normal(x.shape)
+    elif name.endswith("['scale']") or name.endswith("['o_norm']"):
+      v = 1 + 0.1 * rng.standard_normal(x.shape)
+    elif name.endswith("['A_log']"):
+      v = np.log(rng.uniform(1, 16, x.shape))
+    elif name.endswith("['dt_bias']"):
+      dt = np.exp(rng.uniform(np.log(1e-3), np.log(1e-1), x.shape))
+      v = dt + np.log(-np.expm1(-dt))
+    elif name.endswith("_conv']['kernel']"):
+      v = rng.uniform(-0.5, 0.5, x.shape)
+    else:
+      v = cfg.init_std * rng.standard_normal(x.shape)
+    return np.asarray(v, x.dtype)
+  return jax.tree_util.tree_map_with_path(value, shapes)
+
+
 def error_ratio(a, b) -> float:
   """RMS(a − b) / RMS(b) in float64 (fla's metric); NaN or inf anywhere fails."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
