@@ -173,10 +173,10 @@ BUCKETS = "EvalConfig.position_buckets = (0, 3, 9, 16, 64)"
 @pytest.fixture(scope="module")
 def chunked_setup():
   """A tiny config whose head and loss run in chunks of 24 tokens (the 64-token validation
-  batches take 3 chunks), its data, model and initial params."""
+  batches take 3 chunks), its data, model and a state of random values (`_random_train_state`)."""
   cfg = config_lib.from_gin([], TINY + [BUCKETS, "ImplConfig.position_chunk_tokens = 24",
                                         "EvalConfig.passkey_max_len = 128"])
-  state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps)
+  state = _random_train_state(cfg)
   model = K3Model(cfg.model, cfg.impl)
   assert model.impl.position_chunk_tokens == 24     # the evaluator chunks by the model's impl
   return cfg, make_data(cfg), model, state
