@@ -4,6 +4,7 @@ mesh."""
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 
@@ -344,10 +345,10 @@ def _scanned_place(per_layer_path: str) -> tuple[str, int | None]:
   return per_layer_path, None
 
 
-def _random_state(model_cfg, impl, seed):
-  """(state dict with random values for every leaf, boxed abstract variables) of `model_cfg` in
-  the layout of `impl`: params, moe_state, optimizer moments (the run's AdamW) and rng, as numpy
-  arrays."""
+@functools.lru_cache(maxsize=None)
+def _abstract_state(model_cfg, impl):
+  """(the state's shapes, boxed abstract variables) of `model_cfg` in the layout of `impl`, traced
+  once per layout (each trace runs the model's Python)."""
   from k3jax.config import OptimizerConfig
   from k3jax.model import init_variables
   from k3jax.training import optim
@@ -359,6 +360,14 @@ def _random_state(model_cfg, impl, seed):
   shapes = {"params": params, "moe_state": optim.unbox(abstract["moe_state"]),
             "opt_state": jax.eval_shape(optimizer.init, params),
             "rng": jax.ShapeDtypeStruct((2,), jnp.uint32)}
+  return shapes, abstract
+
+
+def _random_state(model_cfg, impl, seed):
+  """(state dict with random values for every leaf, boxed abstract variables) of `model_cfg` in
+  the layout of `impl`: params, moe_state, optimizer moments (the run's AdamW) and rng, as numpy
+  arrays."""
+  shapes, abstract = _abstract_state(model_cfg, impl)
   rng = np.random.default_rng(seed)
 
   def value(x):
@@ -393,10 +402,11 @@ def _check_expert_shards(leaf, expected, spec, shard_shape):
 def test_layout_conversion_onto_a_mesh_restores_values_and_shardings(tmp_path):
   """A per-layer checkpoint restored into the scanned decoder on a 'data:2,expert:4' mesh with
   FSDP rules (as train() restores it: the state's shardings as targets, `to_layout` as convert),
-  and a scanned one (saved from that mesh without FSDP) into the per-layer decoder: every leaf of
-  params, moe_state, the optimizer moments and the rng equals the source stacked / unstacked in
-  numpy here (entry g of 'scanned_period_2/layer_j' = layer j + 2g) and lies on the target's
-  sharding; an expert weight and its moment really are split over the 8 devices."""
+  and a scanned one (saved from an 'expert:2' mesh of two of the devices, without FSDP) into the
+  per-layer decoder: every leaf of params, moe_state, the optimizer moments and the rng equals the
+  source stacked / unstacked in numpy here (entry g of 'scanned_period_2/layer_j' = layer j + 2g)
+  and lies on the target's sharding; an expert weight and its moment really are split over the 8
+  devices."""
   from jax.sharding import PartitionSpec as P
   from k3jax import config as config_lib
   from k3jax.model import layer_plan, to_layout
@@ -449,10 +459,13 @@ def test_layout_conversion_onto_a_mesh_restores_values_and_shardings(tmp_path):
                        expected[f"opt_state/1/0/mu/{_SCAN}/layer_1/moe/w_up"],
                        P(None, "expert", "data", None), (2, 2, 16, 64))
 
-  # Scanned (saved from the mesh, without FSDP: the restore must re-place the leaves, not keep
-  # the saved shardings) -> per-layer on the mesh with FSDP.
+  # Scanned (saved from another mesh, without FSDP: the restore must re-place the leaves, not
+  # keep the saved shardings) -> per-layer on the mesh with FSDP. Two devices: orbax saves a
+  # replicated leaf in one slice per replica, each slice an eager program of its own (on all 8
+  # devices, 280 of them: half the test's time).
   scan_state, _ = _random_state(model_cfg, scan_impl, seed=2)
-  saved, saved_on = sharding.shard_train_state(scan_state, scan_abstract, mesh)
+  save_mesh = sharding.make_mesh("expert:2", jax.devices()[-2:])
+  saved, saved_on = sharding.shard_train_state(scan_state, scan_abstract, save_mesh)
   assert saved_on["params"][_SCAN]["layer_1"]["moe"]["w_up"].spec == P(None, "expert", None, None)
   loop_like, loop_abstract = _random_state(model_cfg, loop_impl, seed=0)
   target = sharding.restore_args_for(jax.eval_shape(lambda: loop_like), loop_abstract, mesh,

@@ -55,7 +55,8 @@ def test_imported_logits_equal_transformers(name):
   experts, T = 100; the release copy: the release's names and config keys in two shards)."""
   cfg, variables = load_hf(fixture(name))
   ref = reference(name)
-  logits = K3Model(cfg.model).apply(variables, jnp.asarray(ref["input_ids"]))
+  # Jitted: one compile of the forward pass, against one per operation and shape eagerly.
+  logits = jax.jit(K3Model(cfg.model).apply)(variables, jnp.asarray(ref["input_ids"]))
   assert logits.shape == ref["logits"].shape
   assert relative_error(logits, ref["logits"]) <= 1e-5
 
@@ -251,7 +252,12 @@ def test_fine_tuning_starts_from_the_imported_weights(tmp_path):
   # does not), written as a Hugging Face folder and imported.
   imported, _ = load_hf(fixture("tiny4"))
   model = dataclasses.replace(imported.model, vocab_size=300)
-  variables = flax.core.meta.unbox(init_variables(model, jax.random.key(3)))
+  # Random values of the model's shapes (traced, not compiled: `init_variables` runs the forward
+  # pass, a compile as large as the model's); unlike an initialisation, no two leaves are alike.
+  rng = np.random.default_rng(3)
+  variables = jax.tree.map(
+      lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
+      flax.core.meta.unbox(jax.eval_shape(lambda: init_variables(model, jax.random.key(3)))))
   save_hf(str(tmp_path / "hf"), model, variables["params"], variables["moe_state"],
           dtype="float32")
   run = str(tmp_path / "imported")

@@ -75,14 +75,27 @@ def test_passkey_min_len_is_exact():
     synthetic.passkey_batch(0, 1, n - 1, tok)
 
 
+def _random_train_state(cfg):
+  """A train state of `cfg`'s shapes holding random values (floats ~ N(0, 0.3²)): no initialiser
+  compiled (`init_train_state` runs the model's forward pass), and no two weights alike."""
+  shapes, _, _ = train_lib.train_state_shapes(cfg, cfg.stages.total_steps)
+  rng = np.random.default_rng(0)
+
+  def value(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
+    return jnp.asarray(rng.integers(0, 1000, size=x.shape), x.dtype)
+  return jax.tree.map(value, shapes)
+
+
 def _make_run_dir(tmp_path):
   """A run directory as k3jax.training.train leaves it (config.gin + a checkpoint of step 3), built
-  from an initialised state so that no training is needed."""
+  from a state of random values so that no training is needed."""
   cfg = config_lib.from_gin([], TINY)
   workdir = str(tmp_path / "run")
   os.makedirs(workdir)
   run_dir.write_config(workdir, cfg)
-  state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps)
+  state = _random_train_state(cfg)
   # Give the balance biases non-trivial values, which inference routing must use.
   moe_state = jax.tree.map(lambda b: b + jnp.arange(b.shape[-1], dtype=b.dtype) * 0.1,
                            state.moe_state)
@@ -160,10 +173,10 @@ BUCKETS = "EvalConfig.position_buckets = (0, 3, 9, 16, 64)"
 @pytest.fixture(scope="module")
 def chunked_setup():
   """A tiny config whose head and loss run in chunks of 24 tokens (the 64-token validation
-  batches take 3 chunks), its data, model and initial params."""
+  batches take 3 chunks), its data, model and a state of random values (`_random_train_state`)."""
   cfg = config_lib.from_gin([], TINY + [BUCKETS, "ImplConfig.position_chunk_tokens = 24",
                                         "EvalConfig.passkey_max_len = 128"])
-  state, _, _ = train_lib.init_train_state(cfg, cfg.stages.total_steps)
+  state = _random_train_state(cfg)
   model = K3Model(cfg.model, cfg.impl)
   assert model.impl.position_chunk_tokens == 24     # the evaluator chunks by the model's impl
   return cfg, make_data(cfg), model, state

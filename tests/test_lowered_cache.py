@@ -297,8 +297,12 @@ def test_a_second_launch_hits(tmp_path):
 @pytest.mark.slow
 def test_train_step_and_init_through_the_cache(tmp_path, monkeypatch):
   """tiny model: init + 2 steps through the cache (a miss, then a hit after jax.clear_caches())
-  equal the plain path bit for bit, and the hit never runs the step's Python (its loss)."""
-  cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS)
+  equal the plain path bit for bit, and the hit never runs the step's Python (its loss). Its two
+  layers are MLA (a dense one and a MoE one): the cache's machinery is the point, and an MLA
+  layer compiles faster than a KDA one (test_a_warm_launch_hits_... exports the KDA model's
+  step)."""
+  cfg = config_lib.from_gin(["gin_configs/tiny.gin"],
+                            TINY_RUN_BINDINGS + ["ModelConfig.mla_every = 1"])
   losses = []
   real_loss = train_step_lib.token_cross_entropy
   monkeypatch.setattr(train_step_lib, "token_cross_entropy",
