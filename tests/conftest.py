@@ -1,8 +1,8 @@
 """Test-wide set-up: 8 virtual CPU devices so that mesh tests can run anywhere, XLA:CPU's code
 generation without LLVM's optimisation passes and programs without source locations (the tests
-are compile-bound), and the XLA:CPU
-work-around of `k3jax.runtime.compiler` for the whole process (tests call KDA gradients eagerly
-and under their own jits, where k3jax's per-jit option cannot apply).
+are compile-bound), and the XLA:CPU work-around of `k3jax.runtime.compiler` for the whole process
+(tests call KDA gradients eagerly and under their own jits, where k3jax's per-jit option cannot
+apply).
 
 This must run before JAX initialises its backends, hence at conftest import time.
 """
