@@ -195,7 +195,6 @@ def _check(cfg, impls, loop_variables, tokens, segment_ids, cotangent):
     logits, vjp = jax.vjp(fn, params)
     return logits, vjp(cotangent)[0]
 
-  # One program: the reference's compile is shared by the models.
   def run(ps, loop_p):
     ref, ref_grads = value_and_grads(ref_logits, loop_p)
     return ref, [(*value_and_grads(model_logits(impl, v), p), layout(ref_grads))

@@ -209,9 +209,9 @@ def _random_variables(abstract, seed):
 # (KDA, KDA + MoE, MLA + MoE: a KDA layer both with the dense FFN and with MoE; a fourth, KDA + MoE
 # again, would only add compile time), runs on the mesh with both axes (KDA sees only the batch's
 # data sharding; the expert axis is the MoE's, which the MLA variant covers on every mesh).
-# 'mla16' (two gated MLA layers, MoE in
-# layer 1) has 16 experts, four per device on an expert:4 mesh of four devices: a wrong local
-# expert id shows only with several experts on a device (two on data:2,expert:4 with 8).
+# 'mla16' (two gated MLA layers, MoE in layer 1) has 16 experts, four per device on an expert:4
+# mesh of four devices: a wrong local expert id shows only with several experts on a device (two
+# on data:2,expert:4 with 8).
 # (ModelConfig, ImplConfig) by kind.
 MODELS = {"mla": (ModelConfig(vocab_size=64, d_model=32, num_layers=4, mla_every=1,
                               moe_num_experts=8, moe_top_k=2),
