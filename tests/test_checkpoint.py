@@ -18,6 +18,7 @@ from k3jax.config import CheckpointConfig
 from k3jax.training.checkpoint import (Checkpointer, CorruptCheckpointError,
                                        IncompatibleCheckpointError)
 from k3jax.training.run_dir import config_differences
+from testlib import random_like
 
 
 def _state(seed: int, big: bool = False):
@@ -368,13 +369,7 @@ def _random_state(model_cfg, impl, seed):
   the layout of `impl`: params, moe_state, optimizer moments (the run's AdamW) and rng, as numpy
   arrays."""
   shapes, abstract = _abstract_state(model_cfg, impl)
-  rng = np.random.default_rng(seed)
-
-  def value(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return rng.standard_normal(x.shape).astype(x.dtype)
-    return rng.integers(1, 1000, size=x.shape).astype(x.dtype)
-  return jax.tree.map(value, shapes), abstract
+  return random_like(shapes, seed), abstract
 
 
 def _check_restored(restored, target, expected):

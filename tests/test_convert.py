@@ -24,6 +24,7 @@ from k3jax.convert.safetensors_io import CheckpointReader
 from k3jax.model import K3Model
 from k3jax.model.decode import generate
 from k3jax.training import checkpoint as checkpoint_lib
+from testlib import random_like
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "kimi_linear")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -254,10 +255,9 @@ def test_fine_tuning_starts_from_the_imported_weights(tmp_path):
   model = dataclasses.replace(imported.model, vocab_size=300)
   # Random values of the model's shapes (traced, not compiled: `init_variables` runs the forward
   # pass, a compile as large as the model's); unlike an initialisation, no two leaves are alike.
-  rng = np.random.default_rng(3)
-  variables = jax.tree.map(
-      lambda x: jnp.asarray(rng.standard_normal(x.shape), x.dtype),
-      flax.core.meta.unbox(jax.eval_shape(lambda: init_variables(model, jax.random.key(3)))))
+  variables = jax.tree.map(jnp.asarray, random_like(
+      flax.core.meta.unbox(jax.eval_shape(lambda: init_variables(model, jax.random.key(3)))),
+      seed=3))
   save_hf(str(tmp_path / "hf"), model, variables["params"], variables["moe_state"],
           dtype="float32")
   run = str(tmp_path / "imported")

@@ -28,7 +28,7 @@ from k3jax.training import run_dir
 from k3jax.training.checkpoint import Checkpointer
 from k3jax.training.loss import token_cross_entropy
 from k3jax.training.run_data import make_data
-from testlib import TINY_RUN_BINDINGS
+from testlib import TINY_RUN_BINDINGS, random_like
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = TINY_RUN_BINDINGS + [
@@ -79,13 +79,7 @@ def _random_train_state(cfg):
   """A train state of `cfg`'s shapes holding random values (floats ~ N(0, 0.3²)): no initialiser
   compiled (`init_train_state` runs the model's forward pass), and no two weights alike."""
   shapes, _, _ = train_lib.train_state_shapes(cfg, cfg.stages.total_steps)
-  rng = np.random.default_rng(0)
-
-  def value(x):
-    if jnp.issubdtype(x.dtype, jnp.floating):
-      return jnp.asarray(0.3 * rng.standard_normal(x.shape), x.dtype)
-    return jnp.asarray(rng.integers(0, 1000, size=x.shape), x.dtype)
-  return jax.tree.map(value, shapes)
+  return jax.tree.map(jnp.asarray, random_like(shapes, seed=0, scale=0.3))
 
 
 def _make_run_dir(tmp_path):

@@ -73,6 +73,22 @@ def random_variables(cfg, impl, seed: int) -> dict:
   return jax.tree_util.tree_map_with_path(value, shapes)
 
 
+def random_like(shapes, seed: int, scale: float = 1.0):
+  """Numpy arrays of random values with the shapes and dtypes of the pytree `shapes` (arrays or
+  ShapeDtypeStructs), drawn leaf by leaf in tree order: floating leaves scale·N(0, 1), integer
+  ones uniform in [1, 1000). For tests that need a state of the right shapes whose leaves all
+  differ, without compiling an initialiser."""
+  import jax
+  import jax.numpy as jnp
+  rng = np.random.default_rng(seed)
+
+  def value(x):
+    if jnp.issubdtype(x.dtype, jnp.floating):
+      return (scale * rng.standard_normal(x.shape)).astype(x.dtype)
+    return rng.integers(1, 1000, size=x.shape).astype(x.dtype)
+  return jax.tree.map(value, shapes)
+
+
 def error_ratio(a, b) -> float:
   """RMS(a − b) / RMS(b) in float64 (fla's metric); NaN or inf anywhere fails."""
   a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
