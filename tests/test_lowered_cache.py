@@ -2,6 +2,7 @@
 the plain jit bit for bit; what changes a program misses; a damaged entry is rebuilt; donation and
 shardings are kept; the training step and its initialisation through the cache."""
 
+import dataclasses
 import json
 import logging
 import os
@@ -19,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from k3jax import config as config_lib
 from k3jax import training as train_lib
 from k3jax.model import K3Model
-from k3jax.runtime import Runtime, lowered_cache
+from k3jax.runtime import Runtime, context_modules_for, lowered_cache
 from k3jax.training import step as train_step_lib
 from testlib import TINY_RUN_BINDINGS
 
@@ -434,15 +435,17 @@ def test_key_context_does_not_depend_on_what_was_imported_before():
 
 _WARM_LAUNCH = textwrap.dedent("""
     import json, sys
+    import jax
     from k3jax import config as config_lib, training as train_lib
     from k3jax.model import K3Model
-    from k3jax.runtime import Runtime, precompile
+    from k3jax.runtime import Runtime, context_modules_for, precompile
     from testlib import TINY_RUN_BINDINGS
     cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS + [
-        "ImplConfig.moe_grouped_matmul = 'tokamax'"])
-    # As a launch starts: the state's shapes (cached: only the cold launch traces the model,
-    # which imports tokamax for the grouped matmul), then the step lowered against them.
-    runtime = Runtime(cfg.runtime, sys.argv[1])
+        f"ImplConfig.moe_grouped_matmul = '{sys.argv[2]}'"])
+    # As `k3jax train` starts: the state's shapes (cached: only the cold launch traces the model,
+    # which imports tokamax for its grouped matmul), then the step lowered against them.
+    runtime = Runtime(cfg.runtime, sys.argv[1],
+                      context_modules_for(cfg.impl, jax.default_backend()))
     shapes, opt, sched = train_lib.placed_train_state_shapes(cfg, 10, runtime=runtime)
     step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), opt, sched, runtime,
                                      total_steps=10)
@@ -453,14 +456,32 @@ _WARM_LAUNCH = textwrap.dedent("""
 
 
 @pytest.mark.slow
-def test_a_warm_launch_hits_when_the_cold_one_imported_tokamax_while_tracing(tmp_path):
-  """The cold launch imports tokamax while tracing the state's shapes; the warm one reads the
-  shapes from the cache and never traces the model: its step still finds the cold launch's entry
-  (tokamax's JAX user contexts are in both keys)."""
+@pytest.mark.parametrize("grouped_matmul", ["tokamax", "auto"])
+def test_a_warm_launch_hits_whether_or_not_the_run_imports_tokamax(tmp_path, grouped_matmul):
+  """With tokamax's grouped matmul, the cold launch imports tokamax while tracing the state's
+  shapes; the warm one reads the shapes from the cache and never traces the model: its step
+  still finds the cold launch's entry (tokamax's JAX user contexts are in both keys). With
+  'auto' on CPU, neither launch imports tokamax at all (~1.2 s of each launch), and the warm one
+  hits too."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
   runs = [json.loads(subprocess.run(
-      [sys.executable, "-c", _WARM_LAUNCH, str(tmp_path)], env=env, capture_output=True,
-      text=True, check=True, timeout=600, cwd=REPO).stdout.strip().splitlines()[-1])
-      for _ in range(2)]
+      [sys.executable, "-c", _WARM_LAUNCH, str(tmp_path), grouped_matmul], env=env,
+      capture_output=True, text=True, check=True, timeout=600, cwd=REPO
+  ).stdout.strip().splitlines()[-1]) for _ in range(2)]
   assert [(r["hits"], r["misses"]) for r in runs] == [(0, 1), (1, 0)], runs
+  assert [r["tokamax"] for r in runs] == [grouped_matmul == "tokamax"] * 2, runs
+
+
+def test_context_modules_follow_the_backend_and_the_kernel_settings():
+  """tokamax is imported before the keys wherever a program may trace it: on an accelerator, or
+  where a setting names its kernels; on CPU 'auto' never picks them."""
+  impl = config_lib.ImplConfig()
+  tokamax = lowered_cache.CONTEXT_REGISTERING_MODULES
+  assert tokamax == ("tokamax",)
+  assert context_modules_for(impl, "cpu") == ()
+  assert context_modules_for(impl, "gpu") == context_modules_for(impl, "tpu") == tokamax
+  for field, value in (("moe_grouped_matmul", "tokamax"), ("attention_impl", "tokamax"),
+                       ("attention_impl", "tokamax_mosaic_bwd")):
+    assert context_modules_for(dataclasses.replace(impl, **{field: value}), "cpu") == tokamax
+  assert Runtime().context_modules == tokamax   # a library caller's default: always safe

@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import jax
 
-from k3jax.config import RuntimeConfig
+from k3jax.config import ImplConfig, RuntimeConfig
 from k3jax.runtime import compiler
 from k3jax.runtime import device_memory
 from k3jax.runtime import host_loop
@@ -34,7 +34,20 @@ from k3jax.runtime import precompile
 from k3jax.runtime.compiler import jit
 from k3jax.runtime.precompile import batch_shapes, train_program_name, validation_program_name
 
-__all__ = ["Runtime", "jit", "batch_shapes", "train_program_name", "validation_program_name"]
+__all__ = ["Runtime", "context_modules_for", "jit", "batch_shapes", "train_program_name",
+           "validation_program_name"]
+
+
+def context_modules_for(impl: ImplConfig, backend: str) -> tuple:
+  """The `Runtime.context_modules` of a run with these implementation settings on `backend`
+  ('cpu', 'gpu', 'tpu'): tokamax where its kernels can be traced, () on CPU unless a setting
+  names them. On CPU 'auto' picks XLA's attention (k3jax/ops/attention.py) and the tiled grouped
+  matmul (k3jax/ops/grouped_matmul.py); an explicit 'tokamax' grouped matmul runs there too."""
+  names_tokamax = (impl.attention_impl.startswith("tokamax")
+                   or impl.moe_grouped_matmul == "tokamax")
+  if backend != "cpu" or names_tokamax:
+    return lowered_cache.CONTEXT_REGISTERING_MODULES
+  return ()
 
 
 class _NoPrecompile:
@@ -57,26 +70,35 @@ class Runtime:
   config: RuntimeConfig (the micro-batch loop, background compiles).
   lowered_cache_dir: where traced and lowered programs are kept between launches; '' keeps none
     (the CLIs use <--compilation_cache_dir>/lowered).
+  context_modules: the libraries the lowered cache imports before it computes a key, because
+    they register JAX user contexts when imported (`lowered_cache.CONTEXT_REGISTERING_MODULES`,
+    tokamax); () for a run whose programs cannot import them while they are traced
+    (`context_modules_for`).
   """
 
-  def __init__(self, config: Optional[RuntimeConfig] = None, lowered_cache_dir: str = ""):
+  def __init__(self, config: Optional[RuntimeConfig] = None, lowered_cache_dir: str = "",
+               context_modules: tuple = lowered_cache.CONTEXT_REGISTERING_MODULES):
     self.config = RuntimeConfig() if config is None else config
     self.lowered_cache_dir = lowered_cache_dir
+    self.context_modules = tuple(context_modules)
 
   def __repr__(self) -> str:
-    return f"Runtime({self.config!r}, lowered_cache_dir={self.lowered_cache_dir!r})"
+    return (f"Runtime({self.config!r}, lowered_cache_dir={self.lowered_cache_dir!r}, "
+            f"context_modules={self.context_modules!r})")
 
   def jit(self, fun: Callable, *, description: str, **jit_kwargs: Any) -> Callable:
     """`jit(fun, **jit_kwargs)` (k3jax's compiler options); with a lowered-program cache, its
     traced and lowered program is kept there under a key that includes `description`, which must
     name everything `fun` closes over that the sources do not fix (`lowered_cache.cached_jit`)."""
     return lowered_cache.cached_jit(fun, cache_dir=self.lowered_cache_dir,
-                                    description=description, **jit_kwargs)
+                                    description=description,
+                                    context_modules=self.context_modules, **jit_kwargs)
 
   def abstract(self, description: str, compute: Callable[[], Any]) -> Any:
     """`compute()` (a tree of jax.ShapeDtypeStruct, possibly boxed), read from the lowered-program
     cache where it holds it (`lowered_cache.cached_abstract`)."""
-    return lowered_cache.cached_abstract(self.lowered_cache_dir, description, compute)
+    return lowered_cache.cached_abstract(self.lowered_cache_dir, description, compute,
+                                         self.context_modules)
 
   def train_step(self, one_program: Callable, *, loss_fn: Callable, apply_update: Callable,
                  accumulate: Any, microbatch_rows: Callable[[int, int], int],
@@ -93,7 +115,7 @@ class Runtime:
     return host_loop.HostLoopStep(
         loss_fn, apply_update, accumulate, microbatch_rows, state_shardings=state_shardings,
         batch_shardings=batch_shardings, cache_dir=self.lowered_cache_dir,
-        description=description)
+        description=description, context_modules=self.context_modules)
 
   @staticmethod
   def device_memory_fraction() -> str:

@@ -114,8 +114,9 @@ class HostLoopStep:
   accumulate: the accumulation arithmetic, `k3jax.training.accumulate` (its split,
     token_weights, zero_accumulators, add_microbatch, finish and one_microbatch).
   microbatch_rows: (seq_len, batch rows) -> rows per micro-batch (`StagesConfig.microbatch_rows`).
-  state_shardings / batch_shardings / cache_dir / description: as for `make_train_step` and
-    `lowered_cache.cached_jit` (the programs' names and the micro-batch count are added).
+  state_shardings / batch_shardings / cache_dir / description / context_modules: as for
+    `make_train_step` and `lowered_cache.cached_jit` (the programs' names and the micro-batch
+    count are added to the description).
   cast_once: `train_step_prepare` casts the parameters that `loss_fn` reads only as a narrower
     copy (`param_casts.single_cast_dtypes`: a bf16 model's fp32 matmul weights), once a step;
     the micro-batch program reads the copies. The same values and gradients as casting in every
@@ -128,7 +129,8 @@ class HostLoopStep:
 
   def __init__(self, loss_fn: LossFn, apply_update: ApplyUpdate, accumulate: Any,
                microbatch_rows: Callable[[int, int], int], *, state_shardings: Any,
-               batch_shardings: Any, cache_dir: str, description: str, cast_once: bool = True):
+               batch_shardings: Any, cache_dir: str, description: str, cast_once: bool = True,
+               context_modules: tuple = lowered_cache.CONTEXT_REGISTERING_MODULES):
     self._loss_fn = loss_fn
     self._acc = accumulate
     self._apply_update = apply_update
@@ -138,6 +140,7 @@ class HostLoopStep:
     self._sharded = state_shardings is not None or batch_shardings is not None
     self._cache_dir = cache_dir
     self._description = description
+    self._context_modules = context_modules
     self._cast_once = cast_once
     self._programs: dict = {}
     self._grads_program: Any = None
@@ -160,7 +163,8 @@ class HostLoopStep:
   def _jit(self, fun, donate, in_sh, out_sh, extra):
     kwargs = dict(in_shardings=in_sh, out_shardings=out_sh) if self._sharded else {}
     return lowered_cache.cached_jit(fun, cache_dir=self._cache_dir, donate_argnums=donate,
-                                    description=f"{self._description}{extra}", **kwargs)
+                                    description=f"{self._description}{extra}",
+                                    context_modules=self._context_modules, **kwargs)
 
   def _num_micro(self, batch: dict) -> int:
     rows, seq_len = batch["inputs"].shape

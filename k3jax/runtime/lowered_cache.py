@@ -23,8 +23,8 @@ k3jax/ and pallas_kernels/, so any code change misses; the function's name; the 
 `description`, which must name everything the function closes over that the sources do not fix,
 e.g. repr of the Config and the optimizer's total steps; donate_argnums and shardings; JAX's
 trace context (config flags that change tracing, the current mesh, the user contexts that tokamax
-registers at import: it is imported first, so that no key depends on whether it was) and flax's
-logical axis rules;
+registers at import: where the run's programs may trace tokamax it is imported first, so that no
+key depends on whether it was; `context_modules`) and flax's logical axis rules;
 the arguments' pytree structure and, per leaf, shape, dtype, weak type and sharding). The entry
 stores that JSON too and a hit requires it to be equal, so even a sha256 collision could not
 return another program. An entry that cannot be read, checked or deserialized is reported in one
@@ -60,6 +60,7 @@ import json
 import logging
 import os
 import re
+import sys
 import tempfile
 import time
 from typing import Any, Callable, Mapping, Sequence
@@ -215,24 +216,26 @@ def _stable_repr(value: Any) -> str:
 # one computed after. tokamax registers one per config option, and k3jax imports it on first use.
 # A cold launch of small.gin on the H200 imported it while building the state's shapes, and
 # computed every later key with its entries; the warm re-run read those shapes from this cache,
-# had not imported it, and missed everything after (RESULTS.md, run 13). They are imported before
-# any key is computed.
-_CONTEXT_REGISTERING_MODULES = ("tokamax",)
+# had not imported it, and missed everything after (RESULTS.md, run 13). A cache imports them
+# before it computes any key (`context_modules`, the default). A run whose programs cannot trace
+# them passes `context_modules=()` and saves the import (tokamax: ~1.2 s of a CPU launch); it
+# then never imports them, before or after a key.
+CONTEXT_REGISTERING_MODULES = ("tokamax",)
 
 
-@functools.lru_cache(maxsize=None)
-def _import_context_registering_modules() -> None:
-  for name in _CONTEXT_REGISTERING_MODULES:
-    importlib.import_module(name)
+def _import_modules(names: tuple) -> None:
+  for name in names:
+    if name not in sys.modules:
+      importlib.import_module(name)
 
 
-def _trace_context() -> list:
+def _trace_context(context_modules: tuple = CONTEXT_REGISTERING_MODULES) -> list:
   """JAX's trace context (the config flags and context managers that change a trace, the current
-  mesh among them, and the user contexts of `_CONTEXT_REGISTERING_MODULES`, imported first) and
-  flax's logical axis rules, which the model's sharding constraints and the expert-parallel
-  dispatch read at trace time."""
+  mesh among them, and the user contexts of `context_modules`, imported first) and flax's
+  logical axis rules, which the model's sharding constraints and the expert-parallel dispatch
+  read at trace time."""
   import flax.linen as nn
-  _import_context_registering_modules()
+  _import_modules(context_modules)
   context = [[name, _stable_repr(value)] for name, value in
              zip(jax_config.trace_context_names(), jax_config.trace_context())]
   context.append(["flax_logical_axis_rules", _stable_repr(nn.get_logical_axis_rules())])
@@ -375,8 +378,10 @@ class LoweredCachedFunction:
   anew because the entry was unreadable (also counted in misses).
   """
 
-  def __init__(self, fun: Callable, cache_dir: str, description: str, jit_kwargs: dict):
+  def __init__(self, fun: Callable, cache_dir: str, description: str, jit_kwargs: dict,
+               context_modules: tuple = CONTEXT_REGISTERING_MODULES):
     self._fun = fun
+    self._context_modules = tuple(context_modules)
     self._cache_dir = os.path.abspath(os.path.expanduser(cache_dir))
     self._description = description
     self._jit_kwargs = jit_kwargs
@@ -403,7 +408,7 @@ class LoweredCachedFunction:
     specs = tuple(_LeafSpec.of(x) for x in leaves)
     # Before reading the trace context: the first key's imports would change it under the next
     # call's signature otherwise.
-    _import_context_registering_modules()
+    _import_modules(self._context_modules)
     signature = (in_tree, specs, tuple(jax_config.trace_context()))
     program = self._programs.get(signature)
     if program is None:
@@ -416,7 +421,7 @@ class LoweredCachedFunction:
     parts = {"format": FORMAT, "environment": _environment(),
              "function": f"{getattr(self._fun, '__module__', '')}.{self._name}",
              "description": self._description, "jit": jit_options,
-             "trace_context": _trace_context(), "in_tree": str(in_tree),
+             "trace_context": _trace_context(self._context_modules), "in_tree": str(in_tree),
              "args": [s.to_json() for s in specs]}
     return json.dumps(parts, sort_keys=True)
 
@@ -514,7 +519,8 @@ class LoweredCachedFunction:
 
 def cached_jit(fun: Callable, *, cache_dir: str, description: str,
                donate_argnums: Sequence[int] = (), in_shardings: Any = None,
-               out_shardings: Any = None) -> Callable:
+               out_shardings: Any = None,
+               context_modules: tuple = CONTEXT_REGISTERING_MODULES) -> Callable:
   """`compiler.jit(fun, donate_argnums=..., in_shardings=..., out_shardings=...)`, with its
   traced and lowered programs kept in `cache_dir` (a `LoweredCachedFunction`).
 
@@ -524,6 +530,8 @@ def cached_jit(fun: Callable, *, cache_dir: str, description: str,
     repr of the Config and static options); part of the key. Required (non-empty) with a cache.
   in_shardings / out_shardings: as for jax.jit (pytree prefixes of the arguments / results);
     None leaves placement to JAX.
+  context_modules: the modules imported before a key is computed (CONTEXT_REGISTERING_MODULES);
+    () where `fun` cannot import them while it is traced.
   """
   if not isinstance(cache_dir, str):
     raise TypeError(f"cache_dir must be a str (empty: no cache), got {type(cache_dir).__name__}")
@@ -538,7 +546,7 @@ def cached_jit(fun: Callable, *, cache_dir: str, description: str,
   if not isinstance(description, str) or not description:
     raise ValueError("description must be a non-empty str naming what the function closes over "
                      f"(e.g. repr of the Config), got {description!r}")
-  return LoweredCachedFunction(fun, cache_dir, description, jit_kwargs)
+  return LoweredCachedFunction(fun, cache_dir, description, jit_kwargs, context_modules)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -576,7 +584,8 @@ def _abstract_from_json(value: Any) -> Any:
   return leaf if names is None else nn.LogicallyPartitioned(leaf, tuple(names))
 
 
-def cached_abstract(cache_dir: str, description: str, compute: Callable[[], Any]) -> Any:
+def cached_abstract(cache_dir: str, description: str, compute: Callable[[], Any],
+                    context_modules: tuple = CONTEXT_REGISTERING_MODULES) -> Any:
   """`compute()` (an abstract tree, e.g. `jax.eval_shape` of a model's initialisation), kept in
   `cache_dir` as JSON so that a warm launch does not trace the model for it.
 
@@ -586,14 +595,15 @@ def cached_abstract(cache_dir: str, description: str, compute: Callable[[], Any]
   `description`, which must name what `compute` depends on (e.g. the model config's repr and the
   sequence length). cache_dir '' computes without a cache. An entry that cannot be read or does
   not match its key is reported in one warning and rebuilt; a tree of another kind is returned
-  uncached, with one warning.
+  uncached, with one warning. context_modules: as for `cached_jit`.
   """
   if not cache_dir:
     return compute()
   if not isinstance(description, str) or not description:
     raise ValueError(f"description must be a non-empty str, got {description!r}")
   key_json = json.dumps({"format": ABSTRACT_FORMAT, "environment": _environment(),
-                         "description": description, "trace_context": _trace_context()},
+                         "description": description,
+                         "trace_context": _trace_context(tuple(context_modules))},
                         sort_keys=True)
   folder = os.path.expanduser(cache_dir)
   path = os.path.join(folder, hashlib.sha256(key_json.encode()).hexdigest() + ABSTRACT_SUFFIX)
