@@ -461,8 +461,8 @@ def test_a_warm_launch_hits_whether_or_not_the_run_imports_tokamax(tmp_path, gro
   """With tokamax's grouped matmul, the cold launch imports tokamax while tracing the state's
   shapes; the warm one reads the shapes from the cache and never traces the model: its step
   still finds the cold launch's entry (tokamax's JAX user contexts are in both keys). With
-  'auto' on CPU, neither launch imports tokamax at all (~1.2 s of each launch), and the warm one
-  hits too."""
+  'auto' on CPU, neither launch imports tokamax at all (about 1.4 s of CPU a launch), and the
+  warm one hits too."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
   runs = [json.loads(subprocess.run(

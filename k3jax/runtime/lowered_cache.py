@@ -218,8 +218,8 @@ def _stable_repr(value: Any) -> str:
 # computed every later key with its entries; the warm re-run read those shapes from this cache,
 # had not imported it, and missed everything after (RESULTS.md, run 13). A cache imports them
 # before it computes any key (`context_modules`, the default). A run whose programs cannot trace
-# them passes `context_modules=()` and saves the import (tokamax: ~1.2 s of a CPU launch); it
-# then never imports them, before or after a key.
+# them passes `context_modules=()` and saves the import (tokamax: about 1.4 s of CPU a launch,
+# RESULTS.md, run 44); it then never imports them, before or after a key.
 CONTEXT_REGISTERING_MODULES = ("tokamax",)
 
 
