@@ -458,11 +458,11 @@ _WARM_LAUNCH = textwrap.dedent("""
 @pytest.mark.slow
 @pytest.mark.parametrize("grouped_matmul", ["tokamax", "auto"])
 def test_a_warm_launch_hits_whether_or_not_the_run_imports_tokamax(tmp_path, grouped_matmul):
-  """With tokamax's grouped matmul, the cold launch imports tokamax while tracing the state's
-  shapes; the warm one reads the shapes from the cache and never traces the model: its step
-  still finds the cold launch's entry (tokamax's JAX user contexts are in both keys). With
-  'auto' on CPU, neither launch imports tokamax at all (about 1.4 s of CPU a launch), and the
-  warm one hits too."""
+  """With tokamax's grouped matmul, both launches import tokamax before their first key (else
+  the cold one would import it while tracing the state's shapes, and the warm one, which reads
+  the shapes from the cache and never traces the model, would not): the warm step finds the cold
+  launch's entry (tokamax's JAX user contexts are in both keys). With 'auto' on CPU, neither
+  launch imports tokamax at all (about 1.4 s of CPU a launch), and the warm one hits too."""
   env = dict(os.environ, JAX_PLATFORMS="cpu",
              PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]))
   runs = [json.loads(subprocess.run(
