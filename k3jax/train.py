@@ -14,16 +14,14 @@ The library function is `k3jax.training.train`.
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 from absl import app, flags
-import jax
 
 from k3jax import cli
 from k3jax import config as config_lib
 from k3jax.parallel import distributed
-from k3jax.runtime import Runtime, context_modules_for
+from k3jax.runtime import Runtime
 from k3jax.training import run_dir
 
 
@@ -64,8 +62,7 @@ def main(argv: Sequence[str]) -> None:
     if FLAGS.max_steps is not None and FLAGS.max_steps < 0:
       raise config_lib.ConfigError(f"--max_steps = {FLAGS.max_steps} is not allowed: an integer "
                                    ">= 0")
-    runtime = Runtime(cfg.runtime, os.path.join(cache_folder, "lowered") if cache_folder else "",
-                      context_modules_for(cfg.impl, jax.default_backend()))
+    runtime = Runtime.for_run(cfg, cache_folder)
     result = training.train(cfg, FLAGS.workdir, max_steps=FLAGS.max_steps,
                             peak_tflops=FLAGS.peak_tflops, progress=FLAGS.progress,
                             tensorboard=FLAGS.tensorboard, runtime=runtime,

@@ -435,17 +435,15 @@ def test_key_context_does_not_depend_on_what_was_imported_before():
 
 _WARM_LAUNCH = textwrap.dedent("""
     import json, sys
-    import jax
     from k3jax import config as config_lib, training as train_lib
     from k3jax.model import K3Model
-    from k3jax.runtime import Runtime, context_modules_for, precompile
+    from k3jax.runtime import Runtime, precompile
     from testlib import TINY_RUN_BINDINGS
     cfg = config_lib.from_gin(["gin_configs/tiny.gin"], TINY_RUN_BINDINGS + [
         f"ImplConfig.moe_grouped_matmul = '{sys.argv[2]}'"])
     # As `k3jax train` starts: the state's shapes (cached: only the cold launch traces the model,
     # which imports tokamax for its grouped matmul), then the step lowered against them.
-    runtime = Runtime(cfg.runtime, sys.argv[1],
-                      context_modules_for(cfg.impl, jax.default_backend()))
+    runtime = Runtime.for_run(cfg, sys.argv[1])
     shapes, opt, sched = train_lib.placed_train_state_shapes(cfg, 10, runtime=runtime)
     step = train_lib.make_train_step(cfg, K3Model(cfg.model, cfg.impl), opt, sched, runtime,
                                      total_steps=10)
@@ -485,3 +483,8 @@ def test_context_modules_follow_the_backend_and_the_kernel_settings():
                        ("attention_impl", "tokamax_mosaic_bwd")):
     assert context_modules_for(dataclasses.replace(impl, **{field: value}), "cpu") == tokamax
   assert Runtime().context_modules == tokamax   # a library caller's default: always safe
+  # What `k3jax train` builds: the lowered programs beside the compiled ones, the rule above.
+  cfg = config_lib.from_gin([], TINY_RUN_BINDINGS)
+  run = Runtime.for_run(cfg, "/cache")
+  assert (run.lowered_cache_dir, run.context_modules) == ("/cache/lowered", ())
+  assert Runtime.for_run(cfg, "").lowered_cache_dir == ""

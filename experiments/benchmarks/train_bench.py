@@ -280,8 +280,7 @@ def run_case(case: dict, args, process_start: float) -> dict:
   mcfg = cfg.model
   startup_trace = None
   # Traced and lowered programs kept beside the compiled ones, as `python -m k3jax.train` does.
-  runtime = Runtime(cfg.runtime,
-                    os.path.join(args.cache_dir, "lowered") if args.cache_dir else "")
+  runtime = Runtime.for_run(cfg, args.cache_dir)
   # The state's shapes, placed where the initialisation puts the state (the first device).
   t0 = time.perf_counter()
   shapes, optimizer, schedule = train_lib.placed_train_state_shapes(

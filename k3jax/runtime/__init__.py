@@ -1,7 +1,8 @@
 """How a run's programs are compiled and run: everything that makes start-up short and steps fast
 without changing what is computed (docs/startup.md).
 
-The training code reaches it through `Runtime`, one object per run:
+The training code reaches it through `Runtime`, one object per run (`Runtime.for_run(cfg,
+compilation_cache_dir)` is the one `k3jax train` builds):
 
   runtime.jit(fun, description=...)        `jax.jit` with k3jax's compiler options, its traced and
                                            lowered program kept on disk when the run has a
@@ -20,12 +21,13 @@ allocator's share). None of them imports the model or the training code.
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any, Callable, Optional
 
 import jax
 
-from k3jax.config import ImplConfig, RuntimeConfig
+from k3jax.config import Config, ImplConfig, RuntimeConfig
 from k3jax.runtime import compiler
 from k3jax.runtime import device_memory
 from k3jax.runtime import host_loop
@@ -85,6 +87,14 @@ class Runtime:
   def __repr__(self) -> str:
     return (f"Runtime({self.config!r}, lowered_cache_dir={self.lowered_cache_dir!r}, "
             f"context_modules={self.context_modules!r})")
+
+  @classmethod
+  def for_run(cls, cfg: Config, compilation_cache_dir: str) -> "Runtime":
+    """The runtime `k3jax train` runs `cfg` with: traced and lowered programs kept in
+    <compilation_cache_dir>/lowered ('' keeps none), and the context modules of its kernels on
+    this backend (`context_modules_for`)."""
+    lowered = os.path.join(compilation_cache_dir, "lowered") if compilation_cache_dir else ""
+    return cls(cfg.runtime, lowered, context_modules_for(cfg.impl, jax.default_backend()))
 
   def jit(self, fun: Callable, *, description: str, **jit_kwargs: Any) -> Callable:
     """`jit(fun, **jit_kwargs)` (k3jax's compiler options); with a lowered-program cache, its
