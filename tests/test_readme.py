@@ -6,6 +6,10 @@ block: one that needs GPUs or a cluster). Only what the commands point at is sub
 directories go under a temporary folder, `/data/...` inputs are fixtures made here (a folder of
 text files, a JSON Lines file, an .npy of token ids, a SentencePiece model), training stops after
 one step (`--max_steps=1`), and the commands use the suite's compilation cache (conftest.py). The
+SentencePiece example's `ModelConfig.vocab_size` becomes the fixture model's size, tiny.gin's 257
+(a real model's is the README's 32,000), so that its programs are the main job's: compiling them
+for a 32,000-token vocabulary at this scale costs ~30 s of CPU and tests nothing the 257-token
+ones do not (the tokenizer's check against the vocabulary runs either way). The
 set-up commands and the test command are what CI itself runs (`.ci/run`). The Python block that
 trains runs in a subprocess with the same substitutions.
 """
@@ -29,6 +33,9 @@ BLOCK = re.compile(r"(?:<!-- illustration: (?P<why>.*?) -->\n)?```(?P<lang>\w*)\
 # Commands that CI runs itself (.ci/run: the set-up, then the test command).
 CI_COMMANDS = (["python3.12", "-m", "venv"], ["pip", "install"], ["python", "-m", "pytest"])
 MAX_STEPS = 1
+# The SentencePiece fixture's vocabulary: tiny.gin's ModelConfig.vocab_size.
+SENTENCEPIECE_VOCAB = 257
+VOCAB_BINDING = re.compile(r"^(--gin_bindings=ModelConfig\.vocab_size = )\d+$")
 
 
 def blocks(text: str) -> list[dict]:
@@ -96,7 +103,8 @@ def _make_fixtures(root: str) -> dict[str, str]:
                                for d in sources]).astype(np.int32))
   import sentencepiece as spm  # a test dependency (setup.cfg's [test] extra)
   spm.SentencePieceTrainer.train(input=os.path.join(texts, "doc0.txt"),
-                                 model_prefix=os.path.join(root, "sp"), vocab_size=300,
+                                 model_prefix=os.path.join(root, "sp"),
+                                 vocab_size=SENTENCEPIECE_VOCAB,
                                  minloglevel=2)
   return {"/data/my_texts": texts, "/data/corpus.jsonl": jsonl, "/data/ids.npy": ids,
           "/data/sp.model": os.path.join(root, "sp.model")}
@@ -112,11 +120,13 @@ def _substitute(arg: str, fixtures: dict[str, str], runs: str) -> str:
 
 def _k3jax_argv(argv: list[str], fixtures: dict[str, str], runs: str) -> list[str]:
   """The command as the test runs it: the installed `k3jax` script, substituted paths, one
-  training step."""
+  training step, and with the SentencePiece fixture its vocabulary size."""
   assert argv[0] == "k3jax", f"{argv}: the README's k3jax commands start with k3jax"
   script = os.path.join(os.path.dirname(sys.executable), "k3jax")
   out = [script] + [_substitute(a, fixtures, runs) for a in argv[1:]
                     if not a.startswith("--max_steps=")]
+  if any("/data/sp.model" in a for a in argv):
+    out = [VOCAB_BINDING.sub(rf"\g<1>{SENTENCEPIECE_VOCAB}", a) for a in out]
   if argv[1] == "train":
     out.append(f"--max_steps={MAX_STEPS}")
   return out
