@@ -1,5 +1,8 @@
 """Every user error of the CLIs is one line on stderr and exit code 2 (no traceback), and the
-CLIs print no orbax INFO lines nor false warnings. Each case runs the real command in a subprocess.
+CLIs print no orbax INFO lines nor false warnings. Each case runs the real command in a process of
+its own: the configuration errors and the tool's usage in one forked from a server that imported
+the commands once (`testlib.run_command_forked`), the rest, and one usage error of each kind of
+launch (`test_tool_runs_the_commands_usage_errors`), in a fresh interpreter.
 
 Cases that fail at configuration time need no training; those that need a trained run directory
 share one tiny run (`trained`, made once per module through the CLI with --max_steps).
@@ -15,7 +18,7 @@ import sys
 
 import pytest
 
-from testlib import TINY_RUN_BINDINGS
+from testlib import TINY_RUN_BINDINGS, run_command_forked
 
 # absl's INFO line prefix: 'I1201 22:09:30.981569 140708937063296 file.py:596] ...'.
 ABSL_INFO = re.compile(r"^I\d{4} \d\d:\d\d", re.MULTILINE)
@@ -25,16 +28,22 @@ TINY = [f"--gin_bindings={b}" for b in TINY_RUN_BINDINGS + [
     "EvalConfig.passkey_samples = 1", "EvalConfig.every_steps = 0"]]
 
 
-def run(module: str, *args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", f"k3jax.{module}", *args], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=timeout)
+def run(module: str, *args: str, timeout: int = 600,
+        forked: bool = False) -> subprocess.CompletedProcess:
+  """`python -m k3jax.MODULE ARGS`; forked: from the command server (module docstring)."""
+  return _launch(f"k3jax.{module}", args, timeout, forked)
 
 
-def run_tool(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
+def run_tool(*args: str, timeout: int = 600, forked: bool = False) -> subprocess.CompletedProcess:
   """`python -m k3jax ARGS`: the `k3jax` tool (k3jax.cli.main)."""
+  return _launch("k3jax", args, timeout, forked)
+
+
+def _launch(module: str, args, timeout: int, forked: bool) -> subprocess.CompletedProcess:
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
-  return subprocess.run([sys.executable, "-m", "k3jax", *args], cwd=REPO, env=env,
+  if forked:
+    return run_command_forked(module, args, env, REPO, timeout=timeout)
+  return subprocess.run([sys.executable, "-m", module, *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=timeout)
 
 
@@ -111,7 +120,7 @@ CONFIG_TIME_CASES = [
                          ids=[f"{m}-{i}" for i, (m, _, _) in enumerate(CONFIG_TIME_CASES)])
 def test_config_time_error(files, module, args, message):
   fill = lambda s: s.replace("{root}", str(files))
-  assert_user_error(run(module, *map(fill, args)), fill(message))
+  assert_user_error(run(module, *map(fill, args), forked=True), fill(message))
 
 
 @pytest.fixture(scope="module")
@@ -167,25 +176,25 @@ COMMANDS = ("train", "evaluate", "generate", "convert", "plan", "compare")
 
 
 def test_tool_help_lists_the_commands():
-  proc = run_tool("--help")
+  proc = run_tool("--help", forked=True)
   assert proc.returncode == 0, (proc.stdout, proc.stderr)
   listed = [line.split()[0] for line in proc.stdout.splitlines() if line.startswith("  ")]
   assert listed == list(COMMANDS), proc.stdout
   # Without a command: the same list, as a usage error.
-  bare = run_tool()
+  bare = run_tool(forked=True)
   assert bare.returncode == 2 and bare.stdout == proc.stdout, (bare.returncode, bare.stdout)
 
 
 def test_tool_unknown_command_is_a_usage_error():
-  proc = run_tool("nope", "--workdir=x")
+  proc = run_tool("nope", "--workdir=x", forked=True)
   assert_user_error(proc, "unknown command 'nope': one of train, evaluate, generate")
 
 
 def test_tool_command_help_lists_the_command_flags():
   """The tool's usage says so: `k3jax <command> --help` lists a command's flags, its own and the
   shared ones, as `python -m k3jax.<command> --help` does."""
-  module = run("generate", "--help")
-  proc = run_tool("generate", "--help")
+  module = run("generate", "--help", forked=True)
+  proc = run_tool("generate", "--help", forked=True)
   assert proc.returncode == 0, (proc.stdout, proc.stderr)
   for flag in ("--max_new_tokens", "--gin_file", "--compilation_cache_dir",
                "--device_memory_fraction"):

@@ -37,6 +37,7 @@ from k3jax.plan import activations as acts
 from k3jax.runtime import batch_shapes
 from k3jax.training.state import train_state_shapes
 from k3jax.training.step import make_train_step
+from testlib import run_command_forked
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MLA = ["ModelConfig.mla_every = 1", "ImplConfig.scan_layers = False"]
@@ -167,8 +168,12 @@ def test_stage_axes_plan_each_stage_on_its_own_mesh():
   assert odd[1].problem.startswith("MeshConfig.stage_axes[1]='data:3': stage 1 (seq_len 128)")
 
 
-def run_plan(*args: str) -> subprocess.CompletedProcess:
+def run_plan(*args: str, forked: bool = False) -> subprocess.CompletedProcess:
+  """`python -m k3jax.plan ARGS`; forked: from the tests' command server (configuration errors,
+  `testlib.run_command_forked`)."""
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  if forked:
+    return run_command_forked("k3jax.plan", args, env, REPO)
   return subprocess.run([sys.executable, "-m", "k3jax.plan", *args], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=300)
 
@@ -207,7 +212,7 @@ def test_command_shows_each_stage_mesh():
     ("--device_memory_gib=0", "--device_memory_gib=0.0 is not allowed"),
 ])
 def test_command_bad_flags_are_one_line(flag, message):
-  proc = run_plan("--gin_file=gin_configs/tiny.gin", flag)
+  proc = run_plan("--gin_file=gin_configs/tiny.gin", flag, forked=True)
   lines = proc.stderr.strip().splitlines()
   assert proc.returncode == 2, (proc.returncode, proc.stdout, proc.stderr)
   assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

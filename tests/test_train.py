@@ -28,7 +28,7 @@ from k3jax.training import metrics as metrics_lib
 from k3jax.training.checkpoint import Checkpointer
 from k3jax.training.loss import token_cross_entropy
 from k3jax.training.run_data import make_data
-from testlib import TINY_RUN_BINDINGS, error_ratio, mesh_train_step
+from testlib import TINY_RUN_BINDINGS, error_ratio, mesh_train_step, run_command_forked
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -287,14 +287,21 @@ def _cli(args, **kw):
                           stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **kw)
 
 
+def _cli_forked(args):
+  """`_cli`'s command, for a configuration error: forked from the tests' command server
+  (`testlib.run_command_forked`), to its end."""
+  env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
+  return run_command_forked("k3jax.train", args, env, REPO)
+
+
 @pytest.mark.parametrize("binding, name", [
     ("ModelConfig.d_modle = 3", "d_modle"),
     ("OptimizerConfig.name = 'sgd'", "OptimizerConfig.name"),
     ("StagesConfig.tokens_per_step = 100", "StagesConfig.tokens_per_step"),
 ])
 def test_cli_bad_setting_fails_at_start(tmp_path, binding, name):
-  proc = _cli([f"--gin_bindings={binding}", f"--workdir={tmp_path}"])
-  out, err = proc.communicate(timeout=300)
+  proc = _cli_forked([f"--gin_bindings={binding}", f"--workdir={tmp_path}"])
+  out, err = proc.stdout, proc.stderr
   assert proc.returncode == 2, (out, err)
   assert name in err
   assert "Traceback" not in err
@@ -313,8 +320,8 @@ def test_importing_the_training_module_leaves_tensorboard_and_matplotlib_for_lat
 
 
 def test_cli_rejects_bad_mesh(tmp_path):
-  proc = _cli(["--mesh=model:2", f"--workdir={tmp_path}"])
-  _, err = proc.communicate(timeout=300)
+  proc = _cli_forked(["--mesh=model:2", f"--workdir={tmp_path}"])
+  err = proc.stderr
   assert proc.returncode == 2 and "MeshConfig.axes" in err and "Traceback" not in err
 
 
