@@ -1,8 +1,10 @@
 """Every user error of the CLIs is one line on stderr and exit code 2 (no traceback), and the
 CLIs print no orbax INFO lines nor false warnings. Each case runs the real command in a process of
 its own: the configuration errors and the tool's usage in one forked from a server that imported
-the commands once (`testlib.run_command_forked`), the rest, and one usage error of each kind of
-launch (`test_tool_runs_the_commands_usage_errors`), in a fresh interpreter.
+the commands once (`testlib.run_command_forked`); the rest in a fresh interpreter, among them
+usage errors through both `python -m k3jax.<command>` and `python -m k3jax`
+(test_changed_model_in_existing_workdir_is_one_line, test_tool_runs_the_commands_usage_errors), so
+that what a fresh launch prints before its error stays checked.
 
 Cases that fail at configuration time need no training; those that need a trained run directory
 share one tiny run (`trained`, made once per module through the CLI with --max_steps).

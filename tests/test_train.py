@@ -288,8 +288,8 @@ def _cli(args, **kw):
 
 
 def _cli_forked(args):
-  """`_cli`'s command, for a configuration error: forked from the tests' command server
-  (`testlib.run_command_forked`), to its end."""
+  """`_cli`'s command run to its end in a process forked from the tests' command server
+  (`testlib.run_command_forked`): for configuration errors."""
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return run_command_forked("k3jax.train", args, env, REPO)
 
