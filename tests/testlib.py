@@ -263,6 +263,7 @@ def _command_child(module: str, args: list, env: dict, cwd: str, stdout: str,
   """In the forked child: `python -m module args` as __main__, its output into the two files."""
   import runpy  # pylint: disable=import-outside-toplevel
   os.chdir(cwd)
+  server_env = dict(os.environ)
   os.environ.clear()
   os.environ.update(env)
   sys.stdout.flush()
@@ -271,9 +272,16 @@ def _command_child(module: str, args: list, env: dict, cwd: str, stdout: str,
     handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(handle, fd)
     os.close(handle)
-  if "jax" in sys.modules and env.get("JAX_PLATFORMS"):
-    # JAX read the server's environment when the server imported it.
-    sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"])
+  if "jax" in sys.modules:
+    # JAX read its JAX_* settings from the server's environment when the server imported it:
+    # JAX_PLATFORMS is set here; a change to any other would be ignored, so it is refused.
+    changed = sorted(k for k in set(env) | set(server_env) if k.startswith("JAX_")
+                     and k != "JAX_PLATFORMS" and env.get(k) != server_env.get(k))
+    if changed:
+      raise ValueError(f"run_command_forked: {changed} differ from the command server's "
+                       "environment: run this command in a fresh process")
+    if env.get("JAX_PLATFORMS"):
+      sys.modules["jax"].config.update("jax_platforms", env["JAX_PLATFORMS"])
   sys.argv = [module, *args]
   # As `python -m` does, the module runs once, as __main__ (the server imported it as itself).
   sys.modules.pop(module, None)
