@@ -289,7 +289,8 @@ def _cli(args, **kw):
 
 def _cli_forked(args):
   """`_cli`'s command run to its end in a process forked from the tests' command server
-  (`testlib.run_command_forked`): for configuration errors."""
+  (`testlib.run_command_forked`): for configuration errors, which compute nothing, so without
+  `_cli`'s JAX_DEFAULT_MATMUL_PRECISION (the server's JAX read its own at import)."""
   env = dict(os.environ, PYTHONPATH=REPO, JAX_PLATFORMS="cpu")
   return run_command_forked("k3jax.train", args, env, REPO)
 
