@@ -95,7 +95,9 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
   the one-device scan's up to the summation order (the two loops share their arithmetic,
   test_microbatch_loop). The one-device 'off' run reads the 'on' run's cache folder and must
   compile nothing: the background threads compiled exactly the programs that the plain loop runs
-  (and the suite saves that run's compiles). The mesh and the host loop share one run."""
+  (and the suite saves that run's compiles). The mesh and the host loop share one run, stopped by
+  max_steps in the first stage: the background compiles that stage's programs and none of the
+  second's."""
   script = _LOG_SETUP + textwrap.dedent("""
       import json, sys
       import jax
@@ -113,8 +115,9 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
           "StagesConfig.tokens_per_step = 512", "StagesConfig.microbatch_tokens = 256",
           "ModelConfig.moe_num_experts = 8", f"RuntimeConfig.microbatch_loop = '{loop}'",
           # The evaluation's forward programs at 1-8x the length are not what this test checks.
-          "EvalConfig.passkey_multipliers = ()"])
-      train_lib.train(cfg, sys.argv[2], progress=False, tensorboard=False)
+          "EvalConfig.passkey_multipliers = ()", "EvalConfig.log_every_steps = 1"])
+      max_steps = int(sys.argv[4]) if len(sys.argv) > 4 else None
+      train_lib.train(cfg, sys.argv[2], max_steps=max_steps, progress=False, tensorboard=False)
       losses = [r["loss"] for r in metrics.read_jsonl(sys.argv[2] + "/metrics.jsonl")
                 if r["kind"] == "train"]
       print(json.dumps({"events": EVENTS, "losses": losses}))
@@ -123,31 +126,46 @@ def test_run_with_precompile_trains_the_same_losses_and_compiles_its_steps_in_th
   mesh_host = "on@data:2,expert:4@host"
   folder = lambda mode: mode.replace(":", "").replace(",", "_").replace("@", "_")
   cache_of = {"off@": "on@"}   # the run whose cache folder a run reads (default: its own)
+  max_steps = {mesh_host: ("3",)}   # the end of the first stage (3 steps of 16 tokens)
   for mode in ("on@", "off@", mesh_host):
     out = _python(script, str(tmp_path / f"cache_{folder(cache_of.get(mode, mode))}"),
-                  str(tmp_path / folder(mode)), mode)
+                  str(tmp_path / folder(mode)), mode, *max_steps.get(mode, ()))
     runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
     if mode.startswith("on"):
-      assert "train step of stage 1 (32 tokens): compiled in the background" in out.stdout
+      last = "stage 0 (16 tokens)" if mode in max_steps else "stage 1 (32 tokens)"
+      assert f"train step of {last}: compiled in the background" in out.stdout, out.stdout
   assert runs["on@"]["losses"] == runs["off@"]["losses"]
   # On a mesh (training steps only: the evaluation's arguments are placed by its call), with the
-  # host micro-batch loop: the one-device scan's losses up to the summation order.
-  assert len(runs[mesh_host]["losses"]) == len(runs["off@"]["losses"]) > 0
+  # host micro-batch loop: the one-device scan's first-stage losses up to the summation order
+  # (the same schedule: max_steps does not change it).
+  assert len(runs["off@"]["losses"]) == 6 and len(runs[mesh_host]["losses"]) == 3
   for got, want in zip(runs[mesh_host]["losses"], runs["off@"]["losses"]):
     assert abs(got - want) <= 1e-5 * abs(want)
-  # Two stages: two training steps and two validation programs, compiled once each; the host
-  # loop's prepare and micro-batch programs of two stages, and one update program (the same for
-  # both: shapes of the state). 'off@' finds all four in the cache that 'on@' filled.
+  # Two stages: two training steps and two validation programs, compiled once each. 'off@' finds
+  # all four in the cache that 'on@' filled. The mesh run stops in the first stage: that stage's
+  # prepare, micro-batch and update programs of the host loop, nothing of the second stage (whose
+  # prepare and micro-batch programs would make 5).
   host_programs = ("jit_train_step_prepare", "jit_train_step_microbatch", "jit_train_step_update")
   for mode, programs, expect in (("on@", ("jit_train_step", "jit_loss_and_stats"), (0, 4)),
                                  ("off@", ("jit_train_step", "jit_loss_and_stats"), (0, 0)),
-                                 (mesh_host, host_programs, (0, 5))):
+                                 (mesh_host, host_programs, (0, 3))):
     events = [tuple(e) for e in runs[mode]["events"] if e[2] in programs]
     main_misses = [e for e in events if e[0] == "MainThread" and e[1] == "miss"]
     other = [e for e in events if e[0] != "MainThread" and e[1] == "miss"]
     assert (len(main_misses), len(other)) == expect, (mode, events)
     if mode == "off@":   # ... and read every one of them
       assert len([e for e in events if e[1] == "hit"]) == 4, events
+
+
+def test_run_programs_refuse_a_stage_range_outside_the_curriculum():
+  """`start_run_programs` names a range of stages that tiny.gin's four do not hold, before it
+  starts anything."""
+  from k3jax import config as config_lib
+  from k3jax.runtime import precompile
+  cfg = config_lib.from_gin([os.path.join(_REPO, "gin_configs", "tiny.gin")], [])
+  for first, last in ((2, 1), (0, 4), (-1, 3)):
+    with pytest.raises(ValueError, match=rf"stages {first} to {last}: not a range of the 4 stages"):
+      precompile.start_run_programs(cfg, first, None, None, None, last_stage=last)
 
 
 def test_close_drops_queued_programs_and_exit_process_leaves_while_one_is_running():

@@ -141,8 +141,9 @@ class Runtime:
 
   def start_precompile(self, cfg, first_stage: int, state_of_stage: Callable,
                        step_of_stage: Callable, evaluator, mesh_of_stage: Callable = lambda s: None,
-                       memory_advice: Optional[Callable[[int], str]] = None):
-    """A precompiler working on the run's programs from `first_stage` on
+                       memory_advice: Optional[Callable[[int], str]] = None,
+                       last_stage: Optional[int] = None):
+    """A precompiler working on the run's programs from `first_stage` to `last_stage`
     (`precompile.start_run_programs`; its arguments), with the first stage's step traced before
     this returns, so that the caller's own tracing does not slow it down. Where precompiling is
     off, or JAX's persistent compilation cache is (nothing could be handed over), an object with
@@ -157,7 +158,8 @@ class Runtime:
     precompiler = precompile.start_run_programs(cfg, first_stage, state_of_stage, step_of_stage,
                                                 evaluator, mesh_of_stage,
                                                 memory_advice=memory_advice,
-                                                workers=self.config.precompile_workers)
+                                                workers=self.config.precompile_workers,
+                                                last_stage=last_stage)
     # Its tracing goes first, alone: traced beside the state's initialisation (Python's lock),
     # small.gin's step took 24.6 s to trace on the H200 instead of 14.5 (RESULTS.md, run 13).
     precompiler.wait_lowered(train_program_name(first_stage, cfg.stages.stages[first_stage][0]))

@@ -217,19 +217,25 @@ class Precompiler:
 def start_run_programs(cfg, first_stage: int, state_of_stage: Callable, step_of_stage: Callable,
                        evaluator, mesh_of_stage: Callable = lambda stage: None,
                        memory_advice: Optional[Callable[[int], str]] = None,
-                       workers: int = 2) -> Precompiler:
-  """A `Precompiler` working on a run's programs from `first_stage` on, in the order the loop
-  needs them: each stage's training step, then the validation program at the stage's end (one
-  per distinct length; only for a stage on one device: on a mesh the evaluation's arguments are
-  placed by its call).
+                       workers: int = 2, last_stage: Optional[int] = None) -> Precompiler:
+  """A `Precompiler` working on a run's programs from `first_stage` to `last_stage` (default: the
+  last stage of the curriculum), in the order the loop needs them: each stage's training step,
+  then the validation program at the stage's end (one per distinct length; only for a stage on
+  one device: on a mesh the evaluation's arguments are placed by its call).
 
   state_of_stage: stage -> the state's ShapeDtypeStructs with the shardings it has in that stage
   (`k3jax.training.state.placed_train_state_shapes` on the stage's mesh): the steps' arguments.
   step_of_stage: stage -> its training step (called here, in the calling thread). mesh_of_stage:
   stage -> its mesh (None: one device). memory_advice: stage -> the settings that lower its
-  memory. workers: compile threads (RuntimeConfig.precompile_workers).
+  memory. workers: compile threads (RuntimeConfig.precompile_workers). last_stage: the stage
+  that the run stops in (a run stopped by max_steps before the curriculum's end compiles no
+  program of the stages after it).
   """
   scfg = cfg.stages
+  last_stage = len(scfg.stages) - 1 if last_stage is None else last_stage
+  if not 0 <= first_stage <= last_stage < len(scfg.stages):
+    raise ValueError(f"stages {first_stage} to {last_stage}: not a range of the "
+                     f"{len(scfg.stages)} stages")
   names = {}
   precompiler = Precompiler(workers,
                             None if memory_advice is None else
@@ -240,7 +246,7 @@ def start_run_programs(cfg, first_stage: int, state_of_stage: Callable, step_of_
     with contextlib.nullcontext() if mesh is None else sharding_lib.with_mesh(mesh):
       return step.lower(state_shapes, batch)
 
-  for stage in range(first_stage, len(scfg.stages)):
+  for stage in range(first_stage, last_stage + 1):
     seq_len, mesh = scfg.stages[stage][0], mesh_of_stage(stage)
     state_shapes = placed_shapes(state_of_stage(stage))
     # Where the loop places a step's batch: committed to the state's device, or over the mesh.

@@ -130,10 +130,11 @@ def _train(cfg: config_lib.Config, directory: run_dir.RunDirectory, data, meshes
   ckpt = checkpoint_lib.Checkpointer(os.path.join(workdir, "checkpoints"), cfg.checkpoint,
                                      keep_steps=ends)
   first = ckpt.latest_step() or 0   # where the run starts, unless that checkpoint is refused
+  # Up to the stage this call stops in: a run stopped by max_steps compiles no later stage.
   programs = runtime.start_precompile(
       cfg, scfg.stage_at(first), placed.shapes, step_of_stage, evaluator, placed.mesh,
-      memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices[stage], runtime)
-  ) if first < total_steps else None
+      memory_advice=lambda stage: out_of_memory_message(cfg, stage, devices[stage], runtime),
+      last_stage=scfg.stage_at(stop_at - 1)) if first < stop_at else None
 
   # Restore the run so far, or initialise a new one, on the mesh of the stage it starts in.
   try:
